@@ -1,0 +1,108 @@
+"""``clGetProgramInfo(CL_PROGRAM_BINARIES)`` through ctypes, with the GIL released.
+
+pyopencl's ``get_info(BINARIES)`` holds the GIL for the whole call, and on pocl
+that call compiles (DESIGN.md F1, F2). A ctypes call releases the GIL and returns
+the same bytes. The OpenCL library used is the one pyopencl itself loaded, found
+in ``/proc/self/maps``; any ICD loader would do, as calls dispatch on the object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pyopencl as cl
+
+__all__ = ["BinaryQueryError", "program_binaries"]
+
+CL_SUCCESS = 0
+CL_PROGRAM_NUM_DEVICES = 0x1162
+CL_PROGRAM_DEVICES = 0x1163
+CL_PROGRAM_BINARY_SIZES = 0x1165
+CL_PROGRAM_BINARIES = 0x1166
+
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+
+
+class BinaryQueryError(RuntimeError):
+    """``clGetProgramInfo`` failed; ``code`` is the OpenCL status."""
+
+    def __init__(self, what: str, code: int) -> None:
+        super().__init__(f"clGetProgramInfo({what}) failed with status {code}")
+        self.code = code
+
+
+def _find_loaded_opencl() -> str | None:
+    try:
+        import pyopencl._cl  # noqa: F401 - make sure pyopencl's loader is mapped
+
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                name = path.rsplit("/", 1)[-1]
+                if name.startswith("libOpenCL") and ".so" in name:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _opencl() -> ctypes.CDLL:
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            path = _find_loaded_opencl() or ctypes.util.find_library("OpenCL") or "libOpenCL.so.1"
+            lib = ctypes.CDLL(path)
+            fn = lib.clGetProgramInfo
+            fn.restype = ctypes.c_int32
+            fn.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_uint32,
+                ctypes.c_size_t,
+                ctypes.c_void_p,
+                ctypes.POINTER(ctypes.c_size_t),
+            ]
+            _lib = lib
+        return _lib
+
+
+def _info(prg: int, param: int, size: int, value: ctypes.c_void_p | ctypes.Array, what: str) -> None:
+    # ctypes.CDLL functions release the GIL for the duration of the call.
+    status = _opencl().clGetProgramInfo(
+        ctypes.c_void_p(prg), param, size, ctypes.cast(value, ctypes.c_void_p), None
+    )
+    if status != CL_SUCCESS:
+        raise BinaryQueryError(what, status)
+
+
+def program_binaries(program: cl.Program | cl._cl._Program, devices: Sequence[cl.Device]) -> list[bytes]:
+    """The program's binaries for ``devices``, in that order, without holding the GIL.
+
+    Thread-safe as far as the driver is: do not call it on pocl in a process that
+    launches kernels (DESIGN.md F3, F13); pocl's strategy queries in a helper process.
+    Raises :class:`BinaryQueryError`, or ``ValueError`` if a device has no binary.
+    """
+    ptr = program.int_ptr
+    n = ctypes.c_uint32()
+    _info(ptr, CL_PROGRAM_NUM_DEVICES, ctypes.sizeof(n), ctypes.pointer(n), "NUM_DEVICES")
+    count = n.value
+    dev_ids = (ctypes.c_void_p * count)()
+    _info(ptr, CL_PROGRAM_DEVICES, ctypes.sizeof(dev_ids), dev_ids, "DEVICES")
+    sizes = (ctypes.c_size_t * count)()
+    _info(ptr, CL_PROGRAM_BINARY_SIZES, ctypes.sizeof(sizes), sizes, "BINARY_SIZES")
+    buffers = [ctypes.create_string_buffer(max(int(s), 1)) for s in sizes]
+    ptrs = (ctypes.c_void_p * count)(*[ctypes.cast(b, ctypes.c_void_p) for b in buffers])
+    _info(ptr, CL_PROGRAM_BINARIES, ctypes.sizeof(ptrs), ptrs, "BINARIES")
+    by_device = {int(dev_ids[i] or 0): buffers[i].raw[: sizes[i]] for i in range(count)}
+    out = []
+    for dev in devices:
+        blob = by_device.get(dev.int_ptr)
+        if not blob:
+            raise ValueError(f"no binary for device {dev.name!r}")
+        out.append(blob)
+    return out

@@ -1,0 +1,482 @@
+"""The cache: looks entries up, schedules the binary work, owns ``step()`` and ``flush()``.
+
+Where a binary goes after ``build()``: :mod:`.program` builds and calls
+:meth:`Cache._schedule`; a driver from :mod:`.drivers` retrieves the binaries off
+the caller's thread; :meth:`Cache._publish` hands them to :class:`.store.Store`
+on a worker thread, which writes them atomically under a per-key lock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from . import _version
+from .config import STRATEGIES, get_config
+from .drivers import Driver, Job, auto_strategy
+from .entry import Entry
+from .errors import BackgroundError, ClosedError, WriteFailedWarning
+from .store import PublishResult, Store
+from .workers import Workers
+
+if TYPE_CHECKING:
+    import os
+
+    import pyopencl as cl
+
+    from .keys import KeyInfo
+    from .program import Program
+
+__all__ = ["Cache", "Stats", "Step", "default_cache", "step"]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of entries kept in memory for repeated builds in one process.
+MEMORY_BUDGET = 64 << 20
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Counters of one :class:`Cache` in this process (a snapshot; immutable)."""
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    write_errors: int = 0
+    skipped: int = 0  # writes skipped: another process held the key, or shut down first
+    pending: int = 0  # background retrievals and writes not finished yet
+    bytes_written: int = 0
+    warmups: int = 0  # first binary queries in the helper (pocl's generic compile)
+    refreshes: int = 0  # entries rewritten because the program gained variants
+    rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
+    errors: int = 0  # background failures (logged)
+    main_thread_seconds: float = 0.0  # time the cache spent in callers' threads
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters as a plain dict (stable field names, for JSON)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Step:
+    """What happened inside one ``with cache.step():`` block. Read it after the block."""
+
+    def __init__(self, cache: Cache, wait: bool, parent: Step | None) -> None:
+        self.cache = cache
+        self.wait = wait
+        self.parent = parent
+        self.built = 0
+        self.hits = 0
+        self.misses = 0
+        self.jobs: list[Job] = []
+
+    def _count(self, hit: bool) -> None:
+        s: Step | None = self
+        while s is not None:
+            s.built += 1
+            if hit:
+                s.hits += 1
+            else:
+                s.misses += 1
+            s = s.parent
+
+    def __repr__(self) -> str:
+        return f"Step(built={self.built}, hits={self.hits}, misses={self.misses})"
+
+
+_CACHES: weakref.WeakSet[Cache] = weakref.WeakSet()
+
+
+class Cache:
+    """A non-blocking binary cache for PyOpenCL programs.
+
+    ``build()`` through this cache returns as fast as an uncached build; binaries
+    are retrieved and written in the background. All methods are thread-safe.
+    Several processes (and MPI ranks) may share one directory: entries are
+    published atomically under a per-key file lock, and readers never see a
+    partial entry.
+
+    :arg directory: root directory (default ``ASYNCCLCACHE_DIR`` or the user cache dir).
+    :arg rank_local: one subdirectory per MPI rank (default: yes, under MPI).
+    :arg strategy: ``auto``, ``process`` (pocl helper), ``thread`` or ``sync``.
+    :arg workers: background writer threads.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        rank_local: bool | None = None,
+        strategy: str = "auto",
+        workers: int = 1,
+        exit_timeout: float | None = None,
+    ) -> None:
+        cfg = get_config()
+        if strategy == "auto" and cfg.strategy != "auto":
+            strategy = cfg.strategy
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if workers == 1 and cfg.workers != 1:
+            workers = cfg.workers
+        self.strategy = strategy
+        self.disabled = cfg.disable
+        self.failure_fatal = cfg.failure_fatal
+        self.exit_timeout = cfg.exit_timeout if exit_timeout is None else exit_timeout
+        self.store = Store(directory, rank_local=rank_local)
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._counts: dict[str, float] = {f.name: 0 for f in fields(Stats)}
+        self._pending = 0
+        self._memory: OrderedDict[str, Entry] = OrderedDict()
+        self._memory_bytes = 0
+        self._jobs: dict[str, Job] = {}  # key -> job, for programs built by this process
+        self._inflight: set[str] = set()
+        self._refreshable: set[str] = set()
+        self._errors: list[BaseException] = []
+        self._steps: list[Step] = []
+        self._drivers: dict[str, Driver] = {}
+        self._workers = Workers(max(1, workers), "asyncclcache-writer", self._background_error)
+        self._closed = False
+        self._swept = False
+        _CACHES.add(self)
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.store.root)!r}, strategy={self.strategy!r})"
+
+    # {{{ public API
+
+    @property
+    def directory(self) -> str:
+        """The directory entries are written to (rank-local where that applies)."""
+        return str(self.store.root)
+
+    def program(self, context: cl.Context, source: str | bytes) -> Program:
+        """A :class:`asyncclcache.Program` that builds through this cache."""
+        from .program import Program
+
+        return Program(context, source, cache=self)
+
+    def stats(self) -> Stats:
+        """This process's counters for this cache. Thread-safe."""
+        with self._lock:
+            counts = dict(self._counts, pending=self._pending)
+        ints = {f.name for f in fields(Stats) if f.type in ("int", int)}
+        return Stats(**{k: (int(v) if k in ints else float(v)) for k, v in counts.items()})
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until background work is done; True when nothing is pending any more.
+
+        First re-snapshots entries whose programs may have gained variants since
+        they were written (pocl: launches with new local sizes). Programs built in
+        a still-open ``step()`` are scheduled only at its exit. With
+        ``ASYNCCLCACHE_FAILURE_FATAL=1``, a background failure raises
+        :class:`BackgroundError` here. Thread-safe; does not block other builds.
+        """
+        self._refresh()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._idle.wait(remaining)
+            done = self._pending == 0
+            errors, self._errors = self._errors, []
+        if errors and self.failure_fatal:
+            raise BackgroundError(f"{len(errors)} background failure(s): {errors[0]!r}") from errors[0]
+        return done
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flush for up to ``timeout`` seconds (default: the exit timeout), then stop.
+
+        Work still pending is dropped, never half-written; the helper process is
+        reaped. Idempotent. Builds after close are plain, uncached builds.
+        Returns what :meth:`flush` returned.
+        """
+        if self._closed:
+            return True
+        timeout = self.exit_timeout if timeout is None else timeout
+        try:
+            done = self.flush(timeout)
+        except BackgroundError:
+            done = False
+        with self._lock:
+            self._closed = True
+            drivers = list(self._drivers.values())
+        for d in drivers:
+            d.close(1.0)
+        self._workers.stop(1.0)
+        if not done:
+            logger.info("asyncclcache: exit with %d jobs pending: dropped", self._pending)
+        return done
+
+    @contextmanager
+    def step(self, *, wait: bool = False) -> Iterator[Step]:
+        """Mark one simulation step. Programs built inside are snapshotted at its exit.
+
+        By then the step has launched its kernels, so the entry packs the
+        specialized variants (pocl) and the next run's first step compiles
+        nothing. Warm-ups may start at once. ``wait=True`` flushes at exit.
+        Nests; an exception inside propagates unchanged and what was built is
+        still scheduled. Steps are per cache, shared by all threads.
+        """
+        with self._lock:
+            s = Step(self, wait, self._steps[-1] if self._steps else None)
+            self._steps.append(s)
+        try:
+            yield s
+        finally:
+            with self._lock:
+                self._steps.remove(s)
+                jobs, s.jobs = s.jobs, []
+            for job in jobs:
+                self._fetch(job, "snapshot")
+            if wait:
+                self.flush()
+
+    # }}}
+
+    # {{{ used by Program.build
+
+    def _count(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    @property
+    def active(self) -> bool:
+        return not (self.disabled or self._closed)
+
+    def _lookup(self, info: KeyInfo) -> Entry | None:
+        with self._lock:
+            entry = self._memory.get(info.key)
+            if entry is not None:
+                self._memory.move_to_end(info.key)
+                return entry
+        entry = self.store.load(info.key, info.devices)
+        if entry is not None:
+            self._remember(entry)
+        return entry
+
+    def _remember(self, entry: Entry) -> None:
+        with self._lock:
+            if entry.key in self._memory:
+                return
+            self._memory[entry.key] = entry
+            self._memory_bytes += entry.nbytes
+            while self._memory_bytes > MEMORY_BUDGET and len(self._memory) > 1:
+                _, old = self._memory.popitem(last=False)
+                self._memory_bytes -= old.nbytes
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            old = self._memory.pop(key, None)
+            if old is not None:
+                self._memory_bytes -= old.nbytes
+        self.store.remove(key)
+
+    def _record_build(self, hit: bool) -> None:
+        with self._lock:
+            self._counts["hits" if hit else "misses"] += 1
+            if self._steps:
+                self._steps[-1]._count(hit)
+
+    def _driver(self, devices: Sequence[cl.Device]) -> Driver:
+        name = self.strategy if self.strategy != "auto" else auto_strategy(devices)
+        with self._lock:
+            d = self._drivers.get(name)
+            if d is None:
+                if name == "process":
+                    from .drivers.pocl import HelperDriver
+
+                    d = HelperDriver()
+                elif name == "thread":
+                    from .drivers.inprocess import ThreadDriver
+
+                    d = ThreadDriver(self._workers)
+                else:
+                    from .drivers.inprocess import SyncDriver
+
+                    d = SyncDriver()
+                self._drivers[name] = d
+            return d
+
+    def _schedule(
+        self,
+        program: cl._cl._Program,
+        info: KeyInfo,
+        source: bytes,
+        devices: Sequence[cl.Device],
+        logs: list[str],
+    ) -> None:
+        """A miss was built: retrieve and write its binaries later. Caller's thread; cheap."""
+        if not self.active or not self.store.enabled:
+            return
+        driver = self._driver(devices)
+        job = Job(info, source, info.options, devices, logs)
+        job.extra["driver"] = driver
+        if driver.needs_program:
+            job.program = program  # keep it alive until its binaries are taken
+        with self._lock:
+            if info.key in self._jobs and info.key in self._inflight:
+                return  # the same program is already on its way
+            self._jobs[info.key] = job
+            step = self._steps[-1] if self._steps else None
+            if step is not None:
+                step.jobs.append(job)
+        if not self._swept:
+            self._swept = True
+            self._workers.submit(self.store.sweep)
+        if step is None:
+            self._fetch(job, "snapshot")
+        elif driver.name == "process":
+            # The warm-up may run now, in the other process; the snapshot waits for the step.
+            self._fetch(job, "warmup")
+
+    # }}}
+
+    # {{{ background
+
+    def _fetch(self, job: Job, purpose: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._pending += 1
+            self._inflight.add(job.key)
+        driver: Driver = job.extra["driver"]
+        driver.fetch(job, lambda binaries, error: self._fetched(job, purpose, binaries, error))
+
+    def _fetched(
+        self, job: Job, purpose: str, binaries: list[bytes] | None, error: BaseException | None
+    ) -> None:
+        # Runs in a driver's thread: hand disk I/O to the writers.
+        with self._lock:
+            first = job.fetches == 0
+            job.fetches += 1
+            if first and job.extra["driver"].name == "process" and error is None:
+                self._counts["warmups"] += 1
+        if error is not None:
+            self._background_error(error)
+            self._done(job)
+            return
+        assert binaries is not None
+        if purpose == "warmup":
+            self._done(job)
+            return
+        self._workers.submit(lambda: self._publish(job, purpose, binaries))
+
+    def _publish(self, job: Job, purpose: str, binaries: list[bytes]) -> None:
+        try:
+            digest = hashlib.blake2b(b"".join(binaries), digest_size=16).hexdigest()
+            if purpose == "refresh" and digest == job.written_digest:
+                return
+            with self._lock:
+                closed = self._closed
+            if closed:
+                self._count("skipped")
+                return
+            entry = Entry(
+                job.key,
+                tuple(binaries),
+                {
+                    "devices": list(job.info.devices),
+                    "options": job.options.decode("utf-8", "surrogateescape"),
+                    "source_sha256": job.info.source_sha256,
+                    "includes": [[d.path, d.sha256] for d in job.info.deps],
+                    "build_logs": job.logs,
+                    "created": time.time(),
+                    "snapshot": purpose,
+                    "strategy": job.extra["driver"].name,
+                    "asyncclcache": _version.__version__,
+                },
+            )
+            try:
+                result = self.store.publish(entry)
+            except OSError as e:
+                self._count("write_errors")
+                warnings.warn(
+                    f"asyncclcache: could not write entry {job.key[:12]} to {self.store.root}: "
+                    f"{e.strerror or e}",
+                    WriteFailedWarning,
+                    stacklevel=2,
+                )
+                self._background_error(e, count=False)
+                return
+            if result is PublishResult.WRITTEN:
+                with self._lock:
+                    self._counts["writes"] += 1
+                    self._counts["bytes_written"] += entry.nbytes
+                    if purpose == "refresh":
+                        self._counts["refreshes"] += 1
+                    job.written_digest = digest
+                    if job.extra["driver"].name == "process":
+                        self._refreshable.add(job.key)
+                    # The in-process program is no longer needed.
+                    job.program = None
+                self._remember(entry)
+            elif result is PublishResult.SKIPPED:
+                self._count("skipped")
+        finally:
+            self._done(job)
+
+    def _done(self, job: Job) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._inflight.discard(job.key)
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def _refresh(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            keys = [k for k in self._refreshable if k not in self._inflight]
+            jobs = [self._jobs[k] for k in keys]
+        for job in jobs:
+            self._fetch(job, "refresh")
+
+    def _background_error(self, error: BaseException, *, count: bool = True) -> None:
+        logger.warning("asyncclcache background failure: %s", error)
+        with self._lock:
+            if count:
+                self._counts["errors"] += 1
+            self._errors.append(error)
+
+    # }}}
+
+
+_default: Cache | None = None
+_default_lock = threading.Lock()
+
+
+def default_cache() -> Cache:
+    """The process-wide cache used by ``asyncclcache.Program`` without ``cache=``, created
+    on first use from the environment. Thread-safe."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = Cache()
+        return _default
+
+
+def step(*, wait: bool = False) -> Any:
+    """``default_cache().step(wait=wait)``."""
+    return default_cache().step(wait=wait)
+
+
+@atexit.register
+def _close_all() -> None:
+    # Bounded: each cache waits at most its exit timeout, then drops what is left.
+    for cache in list(_CACHES):
+        try:
+            cache.close()
+        except Exception:  # noqa: BLE001 - never fail interpreter exit
+            logger.exception("asyncclcache: error at exit")

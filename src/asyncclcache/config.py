@@ -1,0 +1,97 @@
+"""Settings from the environment, parsed once, in one place.
+
+=============================== ===================================================
+``ASYNCCLCACHE_DIR``            cache directory (default: the user cache directory)
+``ASYNCCLCACHE_DISABLE``        ``1``: no caching at all, plain pyopencl builds
+``ASYNCCLCACHE_RANK_LOCAL``     ``0``: ranks share one directory; ``1``: one each
+``ASYNCCLCACHE_STRATEGY``       ``auto`` | ``process`` | ``thread`` | ``sync``
+``ASYNCCLCACHE_WORKERS``        background writer threads (default 1)
+``ASYNCCLCACHE_FAILURE_FATAL``  ``1``: background failures raise in ``flush()``
+``ASYNCCLCACHE_EXIT_TIMEOUT``   seconds to wait for pending work at exit (default 5)
+``ASYNCCLCACHE_MAX_SIZE``       size bound of the directory, e.g. ``500M``
+=============================== ===================================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+__all__ = ["STRATEGIES", "Config", "get_config", "parse_bool", "parse_size"]
+
+STRATEGIES = ("auto", "process", "thread", "sync")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bool(value: str | None, *, name: str = "value") -> bool | None:
+    """``None`` for unset; ``True``/``False`` for the usual spellings; ``ValueError`` otherwise."""
+    if value is None:
+        return None
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}: expected 0/1/true/false, got {value!r}")
+
+
+def parse_size(value: str | int | None) -> int | None:
+    """Parse ``500M``, ``2G``, ``1024`` (bytes). ``None`` and ``0`` mean no limit."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return value or None
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"size: expected a number with an optional K/M/G/T suffix, got {value!r}")
+    n = int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+    return n or None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The environment's settings. Immutable; read once per process by :func:`get_config`."""
+
+    directory: str | None = None
+    disable: bool = False
+    rank_local: bool | None = None
+    strategy: str = "auto"
+    workers: int = 1
+    failure_fatal: bool = False
+    exit_timeout: float = 5.0
+    max_size: int | None = None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | os._Environ[str] | None = None) -> Config:
+        """Parse the environment. Bad values raise ``ValueError`` naming the variable."""
+        e = os.environ if env is None else env
+        strategy = e.get("ASYNCCLCACHE_STRATEGY", "auto").strip().lower() or "auto"
+        if strategy not in STRATEGIES:
+            raise ValueError(f"ASYNCCLCACHE_STRATEGY: expected one of {STRATEGIES}, got {strategy!r}")
+        workers = int(e.get("ASYNCCLCACHE_WORKERS", "1") or "1")
+        if workers < 1:
+            raise ValueError("ASYNCCLCACHE_WORKERS: must be >= 1")
+        return cls(
+            directory=e.get("ASYNCCLCACHE_DIR") or None,
+            disable=bool(parse_bool(e.get("ASYNCCLCACHE_DISABLE"), name="ASYNCCLCACHE_DISABLE")),
+            rank_local=parse_bool(e.get("ASYNCCLCACHE_RANK_LOCAL"), name="ASYNCCLCACHE_RANK_LOCAL"),
+            strategy=strategy,
+            workers=workers,
+            failure_fatal=bool(
+                parse_bool(e.get("ASYNCCLCACHE_FAILURE_FATAL"), name="ASYNCCLCACHE_FAILURE_FATAL")
+            ),
+            exit_timeout=float(e.get("ASYNCCLCACHE_EXIT_TIMEOUT", "5") or "5"),
+            max_size=parse_size(e.get("ASYNCCLCACHE_MAX_SIZE")),
+        )
+
+
+@lru_cache(maxsize=1)
+def get_config() -> Config:
+    """The process's settings, parsed on first use and then fixed (like ``PYOPENCL_NO_CACHE``)."""
+    return Config.from_env()

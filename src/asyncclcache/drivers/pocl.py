@@ -1,0 +1,168 @@
+"""Strategy ``process``: pocl's binary work in a long-lived helper process.
+
+On pocl's CPU devices the binary query compiles a generic variant of every
+kernel (DESIGN.md F1), under a process-wide lock that every launch needs (F3),
+and racing a launch it can abort pocl 3.1 (F13). So the main process never
+queries. A helper process, sharing ``POCL_CACHE_DIR`` through the inherited
+environment, builds the same source in a fresh program object and queries there
+(F4, F14). One client thread per helper feeds it one request at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from typing import IO
+
+from . import _wire
+from .base import Done, Driver, Job
+
+__all__ = ["HelperDriver", "HelperError"]
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+#: Restarts after a helper crash before the driver gives up for this process.
+MAX_RESTARTS = 3
+
+
+class HelperError(RuntimeError):
+    """The helper process failed a request or died."""
+
+
+class HelperDriver(Driver):
+    """Sends jobs to the helper process. Thread-safe; the helper starts on first need."""
+
+    name = "process"
+    needs_program = False
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._closed = False
+        self.starts = 0
+        self.crashes = 0
+        self.helper_pid: int | None = None
+        self.priority: str | None = None
+
+    def fetch(self, job: Job, done: Done) -> None:
+        with self._lock:
+            if self._closed:
+                done(None, HelperError("helper driver closed"))
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="asyncclcache-helper-client", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((job, done))
+
+    # {{{ client thread
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncclcache.drivers.pocl_helper"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=dict(os.environ),  # same POCL_* settings, so pocl computes the same hash
+            close_fds=True,
+        )
+        assert proc.stdout is not None
+        hello, _ = _wire.recv(proc.stdout)
+        self.starts += 1
+        self.helper_pid = int(hello["pid"])
+        self.priority = str(hello.get("priority"))
+        logger.debug("helper process %s started (%s)", self.helper_pid, self.priority)
+        return proc
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                break
+            job, done = item  # type: ignore[misc]
+            try:
+                binaries = self._request(job)
+            except BaseException as e:  # noqa: BLE001 - reported through done
+                done(None, e)
+            else:
+                done(binaries, None)
+        self._stop_proc()
+
+    def _request(self, job: Job) -> list[bytes]:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            if proc is not None:
+                self.crashes += 1
+            if self.starts > MAX_RESTARTS:
+                raise HelperError("helper process keeps dying; giving up")
+            proc = self._proc = self._spawn()
+        stdin: IO[bytes] = proc.stdin  # type: ignore[assignment]
+        stdout: IO[bytes] = proc.stdout  # type: ignore[assignment]
+        try:
+            _wire.send(
+                stdin,
+                {"op": "binaries", "id": job.key, "devices": list(job.info.devices)},
+                [job.source, job.options],
+            )
+            header, payloads = _wire.recv(stdout)
+        except (OSError, _wire.WireError) as e:
+            rc = proc.wait()
+            self.crashes += 1
+            self._proc = None
+            raise HelperError(f"helper process died (exit status {rc}): {e}") from None
+        if not header.get("ok"):
+            raise HelperError(f"helper could not build {job.key[:12]}: {header.get('error')}")
+        return payloads
+
+    def _stop_proc(self, timeout: float = 2.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    # }}}
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the client thread and reap the helper (killed if it is mid-compile)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        # Drop queued jobs: the cache already decided how long to wait for them.
+        dropped = []
+        while True:
+            try:
+                dropped.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for item in dropped:
+            _job, done = item  # type: ignore[misc]
+            done(None, HelperError("dropped at close"))
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            # Mid-compile: the helper holds nothing we need; kill it.
+            proc.kill()
+        self._queue.put(_STOP)
+        thread.join(timeout if timeout is not None else 5.0)
+        if proc is not None:
+            try:
+                proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()

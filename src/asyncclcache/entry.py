@@ -1,0 +1,101 @@
+"""The on-disk format of one cache entry. No pickle: bytes in, bytes out.
+
+Layout (little-endian)::
+
+    offset  size  field
+    0       8     magic  b"ACLCACHE"
+    8       2     format version (``keys.FORMAT_VERSION``)
+    10      2     flags (0)
+    12      4     length M of the metadata
+    16      M     metadata, UTF-8 JSON (key, devices, options, include deps,
+                  created time, binary sizes, build logs, ...)
+    16+M    sum   the per-device binaries, back to back, sizes in the metadata
+    end-32  32    BLAKE2b-256 of every byte before it
+
+A checksum catches damage, not an attacker: see the store for ownership checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from .keys import FORMAT_VERSION
+
+__all__ = ["MAGIC", "Entry", "EntryFormatError", "decode", "encode"]
+
+MAGIC = b"ACLCACHE"
+_HEADER = struct.Struct("<8sHHI")
+_DIGEST_SIZE = 32
+_MAX_META = 64 << 20
+
+
+class EntryFormatError(ValueError):
+    """The bytes are not a valid entry; the message says why."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One program's binaries, one per device, with their metadata. Immutable."""
+
+    key: str
+    binaries: tuple[bytes, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the binaries."""
+        return sum(len(b) for b in self.binaries)
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST_SIZE).digest()
+
+
+def encode(entry: Entry) -> bytes:
+    """Serialize ``entry``. Pure function, thread-safe."""
+    meta = dict(entry.meta)
+    meta["key"] = entry.key
+    meta["format"] = FORMAT_VERSION
+    meta["binary_sizes"] = [len(b) for b in entry.binaries]
+    meta_bytes = json.dumps(meta, sort_keys=True).encode("utf-8")
+    body = b"".join(
+        [_HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(meta_bytes)), meta_bytes, *entry.binaries]
+    )
+    return body + _digest(body)
+
+
+def decode(data: bytes) -> Entry:
+    """Parse and verify an entry. Raises :class:`EntryFormatError` on anything wrong."""
+    if len(data) < _HEADER.size + _DIGEST_SIZE:
+        raise EntryFormatError(f"truncated ({len(data)} bytes)")
+    magic, version, _flags, meta_len = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise EntryFormatError("not an asyncclcache entry (bad magic)")
+    if version != FORMAT_VERSION:
+        raise EntryFormatError(f"format version {version}, expected {FORMAT_VERSION}")
+    view = memoryview(data)
+    if _digest(view[:-_DIGEST_SIZE]) != data[-_DIGEST_SIZE:]:
+        raise EntryFormatError("checksum mismatch")
+    if meta_len > _MAX_META or _HEADER.size + meta_len > len(data) - _DIGEST_SIZE:
+        raise EntryFormatError("metadata length out of range")
+    try:
+        meta = json.loads(bytes(view[_HEADER.size : _HEADER.size + meta_len]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EntryFormatError(f"bad metadata: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("key"), str):
+        raise EntryFormatError("bad metadata: no key")
+    sizes = meta.get("binary_sizes")
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 0 for s in sizes):
+        raise EntryFormatError("bad metadata: binary sizes")
+    start = _HEADER.size + meta_len
+    if start + sum(sizes) != len(data) - _DIGEST_SIZE:
+        raise EntryFormatError("binary sizes do not add up")
+    binaries = []
+    for s in sizes:
+        binaries.append(bytes(view[start : start + s]))
+        start += s
+    return Entry(meta["key"], tuple(binaries), meta)

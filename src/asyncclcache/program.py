@@ -1,0 +1,243 @@
+"""The drop-in ``Program``, and ``install()`` for every ``pyopencl.Program`` in the process.
+
+``build()`` looks the key up (memory, then disk). On a hit it creates the program
+from the stored binaries; on a miss it does a plain source build (never with
+pyopencl's cache-defeating uuid, DESIGN.md F6), returns at once and leaves the
+binaries to the cache's background work (:meth:`Cache._schedule`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pyopencl as cl
+from pyopencl import _cl
+
+from .cache import Cache, default_cache
+from .errors import BinaryRejectedWarning
+from .keys import make_key
+
+__all__ = ["Program", "install", "installed", "is_installed", "uninstall"]
+
+logger = logging.getLogger(__name__)
+
+#: pyopencl's own ``Program.build``, whatever install() does later.
+_PYOPENCL_BUILD = getattr(cl.Program.build, "_asyncclcache_original", cl.Program.build)
+
+
+def _bypass_reason(prg: cl.Program, cache: Cache) -> str | None:
+    if not cache.active:
+        return "cache disabled" if cache.disabled else "cache closed"
+    if not cache.store.enabled:
+        return "cache directory unusable"
+    if getattr(prg, "_prg", None) is not None or not hasattr(prg, "_source"):
+        return "not a source program"  # binaries, IL, or already created
+    return None
+
+
+def cached_build(
+    prg: cl.Program,
+    cache: Cache,
+    options: str | Sequence[str] | None = None,
+    devices: Sequence[cl.Device] | None = None,
+    cache_dir: str | None = None,
+) -> cl.Program:
+    """Build ``prg`` (a source ``pyopencl.Program``) through ``cache``; returns ``prg``.
+
+    Raises what pyopencl raises: ``pyopencl.RuntimeError`` with the build log on a
+    bad source. Thread-safe.
+    """
+    if _bypass_reason(prg, cache) is not None:
+        return _PYOPENCL_BUILD(prg, options, devices, cache_dir)
+
+    t_start = time.perf_counter()
+    context: cl.Context = prg._context
+    options_bytes, include_path = prg._process_build_options(context, options)
+    devs = list(devices) if devices is not None else list(context.devices)
+    source = prg._source
+    source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
+    info = make_key(source_bytes, options_bytes, devs, include_path)
+    entry = cache._lookup(info)
+    overhead = time.perf_counter() - t_start
+
+    built = None
+    if entry is not None:
+        t0 = time.perf_counter()
+        try:
+            built = _cl._Program(context, devs, list(entry.binaries))
+            built.build(options_bytes, devs)
+        except cl.Error as e:
+            built = None
+            warnings.warn(
+                f"asyncclcache: the driver rejected the stored binary {info.key[:12]} "
+                f"({e.code}: {e.what if hasattr(e, 'what') else e}); rebuilding from source",
+                BinaryRejectedWarning,
+                stacklevel=3,
+            )
+            cache._count("rejected")
+            cache._forget(info.key)
+        else:
+            prg._prg = built
+            cache._record_build(hit=True)
+            _replay_logs(entry.meta.get("build_logs") or [], devs)
+            descr, duration = "cache retrieval", time.perf_counter() - t0
+
+    if built is None:
+        t0 = time.perf_counter()
+        new = _cl._Program(context, source)
+        # Same error path and message as pyopencl's uncached build.
+        prg._build_and_catch_errors(lambda: new.build(options_bytes, devices), options_bytes)
+        prg._prg = new
+        duration = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        cache._record_build(hit=False)
+        logs = [log or "" for _dev, log in new._get_build_logs()] if _has_logs(new) else []
+        cache._schedule(new, info, source_bytes, devs, logs)
+        overhead += time.perf_counter() - t1
+        descr = "source build (binary retrieved in the background)"
+
+    cache._count("main_thread_seconds", overhead)
+    prg._build_duration_info = (descr, entry is not None and built is not None, duration)
+    return prg
+
+
+def _has_logs(prg: Any) -> bool:
+    try:
+        return any(log and log.strip() for _d, log in prg._get_build_logs())
+    except cl.Error:
+        return False
+
+
+def _replay_logs(logs: list[str], devices: Sequence[cl.Device]) -> None:
+    # As pyopencl does for its own cache hits: the warnings of the original build.
+    message = (75 * "=" + "\n").join(
+        f"Build on {dev} succeeded, but said:\n\n{log}"
+        for dev, log in zip(devices, logs)
+        if log and log.strip()
+    )
+    if message:
+        cl.compiler_output(
+            "Built kernel retrieved from cache. Original from-source build had warnings:\n" + message
+        )
+
+
+class Program(cl.Program):
+    """A ``pyopencl.Program`` whose ``build()`` goes through an asyncclcache :class:`Cache`.
+
+    Same constructor forms as pyopencl (``Program(ctx, source)``,
+    ``Program(ctx, devices, binaries)``, ``Program(_Program)``), plus ``cache=``
+    (default: :func:`default_cache`). Only source programs are cached. Kernels,
+    ``get_info`` and ``all_kernels()`` are pyopencl's. Building one object from
+    several threads at once is as unsafe as with pyopencl; building different
+    objects concurrently is safe.
+    """
+
+    def __init__(
+        self, arg1: Any, arg2: Any = None, arg3: Any = None, *, cache: Cache | None = None
+    ) -> None:
+        super().__init__(arg1, arg2, arg3)
+        self._acc_cache = cache
+
+    def build(
+        self,
+        options: str | Sequence[str] | None = None,
+        devices: Sequence[cl.Device] | None = None,
+        cache_dir: str | None = None,
+    ) -> Program:
+        """Build like ``pyopencl.Program.build``; returns ``self`` at once on a miss."""
+        cache = self._acc_cache or default_cache()
+        cached_build(self, cache, options, devices, cache_dir)
+        return self
+
+
+# {{{ install
+
+_install_lock = threading.Lock()
+_installed_cache: Cache | None = None
+_install_depth = 0
+
+
+def _installed_build(
+    self: cl.Program,
+    options: str | Sequence[str] | None = None,
+    devices: Sequence[cl.Device] | None = None,
+    cache_dir: str | None = None,
+) -> cl.Program:
+    cache = _installed_cache
+    if cache is None:  # uninstalled meanwhile
+        return _PYOPENCL_BUILD(self, options, devices, cache_dir)
+    return cached_build(self, cache, options, devices, cache_dir)
+
+
+_installed_build._asyncclcache_original = _PYOPENCL_BUILD  # type: ignore[attr-defined]
+_installed_build.__doc__ = _PYOPENCL_BUILD.__doc__
+
+
+def _stand_aside() -> str | None:
+    from .config import get_config
+
+    if get_config().disable:
+        return "ASYNCCLCACHE_DISABLE is set"
+    if cl._PYOPENCL_NO_CACHE:
+        return "PYOPENCL_NO_CACHE is set"
+    return None
+
+
+_said_aside = False
+
+
+def install(cache: Cache | None = None) -> bool:
+    """Route every ``pyopencl.Program(...).build()`` in the process through ``cache``.
+
+    Covers ``pyopencl.array``, elementwise, reduction and scan kernels, loopy and
+    user code. Idempotent and thread-safe; a second call switches the cache.
+    Steps aside (returns False, says so once in the log) when
+    ``PYOPENCL_NO_CACHE`` or ``ASYNCCLCACHE_DISABLE`` is set.
+    """
+    global _installed_cache, _said_aside
+    reason = _stand_aside()
+    with _install_lock:
+        if reason is not None:
+            if not _said_aside:
+                logger.info("asyncclcache.install(): not installing: %s", reason)
+                _said_aside = True
+            return False
+        _installed_cache = cache or default_cache()
+        cl.Program.build = _installed_build  # type: ignore[method-assign]
+    return True
+
+
+def uninstall() -> None:
+    """Restore pyopencl's own ``Program.build`` exactly. Idempotent and thread-safe."""
+    global _installed_cache
+    with _install_lock:
+        cl.Program.build = _PYOPENCL_BUILD  # type: ignore[method-assign]
+        _installed_cache = None
+
+
+def is_installed() -> bool:
+    """True while :func:`install` is in effect."""
+    return cl.Program.build is _installed_build
+
+
+@contextmanager
+def installed(cache: Cache | None = None) -> Iterator[Cache | None]:
+    """``install(cache)`` for the block; restores the previous state after it."""
+    global _installed_cache
+    with _install_lock:
+        previous = _installed_cache if is_installed() else None
+    install(cache)
+    try:
+        yield _installed_cache
+    finally:
+        if previous is not None:
+            install(previous)
+        else:
+            uninstall()
+# }}}

@@ -1,0 +1,422 @@
+"""Files on disk: where entries live, atomic publish under a per-key lock, verify, sweep.
+
+Layout::
+
+    <directory>/v<FORMAT_VERSION>/[rank-<N>/]<key[:2]>/<key>.acl    entries
+                                             <key[:2]>/<key>.lock   lock while writing
+                                             <key[:2]>/.tmp-<pid>-*.partial
+
+Guarantees (thread- and process-safe):
+
+* A reader sees either no entry or a complete one: writers write a temp file in
+  the same directory, fsync it and ``os.replace`` it into place. Readers take no
+  lock.
+* One writer per key at a time: the per-key ``filelock`` is taken without
+  blocking; a process that finds it held skips (someone else writes that entry).
+  The lock file is removed before release, so lock files do not pile up.
+* Temp files of killed writers are swept (:meth:`Store.sweep`).
+* Entries are native code that pocl ``dlopen``\\ s: directories are 0700, entries
+  0600, nothing owned by another user or writable by others is read, symlinks are
+  not followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from .entry import Entry, EntryFormatError, decode, encode
+from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
+from .keys import FORMAT_VERSION
+from .ranks import detect_rank
+
+__all__ = ["ENTRY_SUFFIX", "PublishResult", "Store", "StoredEntry", "default_directory"]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_SUFFIX = ".acl"
+LOCK_SUFFIX = ".lock"
+TEMP_PREFIX = ".tmp-"
+TEMP_SUFFIX = ".partial"
+#: A temp file whose writer is gone, or older than this, is swept.
+TEMP_MAX_AGE = 3600.0
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def default_directory() -> Path:
+    """``platformdirs.user_cache_dir("asyncclcache")``."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("asyncclcache"))
+
+
+class PublishResult(enum.Enum):
+    """What :meth:`Store.publish` did."""
+
+    WRITTEN = "written"
+    SKIPPED = "skipped"  # another writer holds the key's lock
+    FAILED = "failed"  # I/O error; nothing partial left
+    DISABLED = "disabled"  # the store is not usable
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """An entry file as listed on disk (no validation)."""
+
+    key: str
+    path: Path
+    size: int
+    mtime: float
+    atime: float
+
+
+def _insecure(st: os.stat_result) -> str | None:
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Store:
+    """The on-disk cache: one file per entry, fanned out by the key's first two hex digits.
+
+    All methods are thread-safe and process-safe. If the directory cannot be used
+    (not a directory, not writable, insecure), the store warns once and every
+    operation becomes a no-op miss: callers keep working uncached.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        rank_local: bool | None = None,
+    ) -> None:
+        from .config import get_config
+
+        cfg = get_config()
+        base = Path(directory or cfg.directory or default_directory()).expanduser()
+        if rank_local is None:
+            rank_local = cfg.rank_local if cfg.rank_local is not None else True
+        self.rank = detect_rank()
+        self.rank_local = bool(rank_local and self.rank is not None)
+        root = base / f"v{FORMAT_VERSION}"
+        if self.rank_local:
+            root = root / f"rank-{self.rank}"
+        self.base = base
+        self.root = root
+        self.problem: str | None = None
+        self._open()
+
+    # {{{ directories
+
+    def _open(self) -> None:
+        try:
+            for d in (self.base, self.base / f"v{FORMAT_VERSION}", self.root):
+                self._make_dir(d)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable", str(self.root))
+        except _Insecure as e:
+            self.problem = str(e)
+            warnings.warn(
+                f"asyncclcache: refusing cache directory {self.root}: {e}; caching is off",
+                InsecureCacheWarning,
+                stacklevel=4,
+            )
+        except OSError as e:
+            self.problem = f"{e.strerror or e}"
+            warnings.warn(
+                f"asyncclcache: cannot use cache directory {self.root}: {self.problem}; "
+                "caching is off",
+                CacheDirWarning,
+                stacklevel=4,
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when the directory is usable."""
+        return self.problem is None
+
+    @staticmethod
+    def _make_dir(path: Path) -> None:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        st = os.stat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+        why = _insecure(st)
+        if why is not None:
+            raise _Insecure(f"{path} is {why}")
+
+    def _fanout(self, key: str) -> Path:
+        return self.root / key[:2]
+
+    def path_for(self, key: str) -> Path:
+        """Where the entry for ``key`` lives."""
+        return self._fanout(key) / (key + ENTRY_SUFFIX)
+
+    # }}}
+
+    # {{{ read
+
+    def load(self, key: str, devices: Sequence[dict[str, str]] | None = None) -> Entry | None:
+        """Read and verify the entry for ``key``; ``None`` on a miss.
+
+        A damaged, truncated or foreign entry warns once (:class:`CorruptEntryWarning`),
+        is removed, and is a miss. Never raises for the file's content.
+        """
+        if not self.enabled:
+            return None
+        path = self.path_for(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                self._reject(path, "is a symbolic link", None, insecure=True)
+            else:
+                self._reject(path, f"cannot be read ({e.strerror})", None)
+            return None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                self._reject(path, "is a directory", st)
+                return None
+            if not stat.S_ISREG(st.st_mode):
+                self._reject(path, "is not a regular file", st)
+                return None
+            why = _insecure(st)
+            if why is not None:
+                self._reject(path, why, None, insecure=True)
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read()
+        except OSError as e:
+            self._reject(path, f"cannot be read ({e.strerror})", None)
+            return None
+        finally:
+            os.close(fd)
+        try:
+            entry = decode(data)
+        except EntryFormatError as e:
+            self._reject(path, str(e), st)
+            return None
+        if entry.meta.get("key") != key:
+            self._reject(path, "holds another key", st)
+            return None
+        if devices is not None and list(entry.meta.get("devices", ())) != list(devices):
+            self._reject(path, "was built for another device", st)
+            return None
+        if len(entry.binaries) != len(entry.meta.get("devices", ())):
+            self._reject(path, "binary count does not match its devices", st)
+            return None
+        return entry
+
+    def _reject(
+        self, path: Path, why: str, st: os.stat_result | None, *, insecure: bool = False
+    ) -> None:
+        if insecure:
+            # Not ours to delete: another user's file, or a link.
+            warnings.warn(
+                f"asyncclcache: ignoring cache entry {path}: {why}", InsecureCacheWarning, stacklevel=4
+            )
+            return
+        warnings.warn(
+            f"asyncclcache: dropping damaged cache entry {path}: {why}; rebuilding",
+            CorruptEntryWarning,
+            stacklevel=4,
+        )
+        logger.warning("dropping damaged cache entry %s: %s", path, why)
+        self._remove_if_same(path, st)
+
+    @staticmethod
+    def _remove_if_same(path: Path, st: os.stat_result | None) -> None:
+        # A writer may have replaced the bad file with a good one meanwhile: keep that.
+        try:
+            now = os.lstat(path)
+            if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+                return
+            if stat.S_ISDIR(now.st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+
+    # }}}
+
+    # {{{ write
+
+    def publish(self, entry: Entry, *, write_hook: Any = None) -> PublishResult:
+        """Atomically write ``entry``, unless another writer holds its key.
+
+        Raises ``OSError`` for I/O failures (disk full, permissions) after removing
+        its temp file: nothing partial is ever visible. ``write_hook``, if given, is
+        called with the temp path before the data is written (tests widen the
+        window with it).
+        """
+        if not self.enabled:
+            return PublishResult.DISABLED
+        directory = self._fanout(entry.key)
+        self._make_dir(directory)
+        lock_path = directory / (entry.key + LOCK_SUFFIX)
+        lock = filelock.FileLock(str(lock_path), timeout=0)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            logger.debug("entry %s is being written by another process: skip", entry.key)
+            return PublishResult.SKIPPED
+        try:
+            self._write_atomic(directory, self.path_for(entry.key), encode(entry), write_hook)
+        finally:
+            # Unlink while holding, so the file never outlives its writer.
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+            lock.release()
+        return PublishResult.WRITTEN
+
+    @staticmethod
+    def _write_atomic(directory: Path, target: Path, data: bytes, write_hook: Any) -> None:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TEMP_PREFIX}{os.getpid()}-", suffix=TEMP_SUFFIX)
+        try:
+            if write_hook is not None:
+                write_hook(tmp)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        with contextlib.suppress(OSError):
+            dfd = os.open(directory, os.O_RDONLY | _CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def remove(self, key: str) -> bool:
+        """Delete the entry for ``key``; True if there was one."""
+        try:
+            os.unlink(self.path_for(key))
+        except OSError:
+            return False
+        return True
+
+    # }}}
+
+    # {{{ maintenance
+
+    def _fanout_dirs(self) -> Iterator[Path]:
+        if not self.enabled:
+            return
+        try:
+            names = sorted(os.listdir(self.root))
+        except OSError:
+            return
+        for name in names:
+            if len(name) == 2 and all(c in "0123456789abcdef" for c in name):
+                p = self.root / name
+                if p.is_dir() and not p.is_symlink():
+                    yield p
+
+    def entries(self) -> Iterator[StoredEntry]:
+        """Every entry file, unvalidated. Safe while others write (files may vanish)."""
+        for d in self._fanout_dirs():
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
+                if not name.endswith(ENTRY_SUFFIX) or name.startswith("."):
+                    continue
+                p = d / name
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    continue
+                yield StoredEntry(name[: -len(ENTRY_SUFFIX)], p, st.st_size, st.st_mtime, st.st_atime)
+
+    def orphans(self) -> tuple[list[Path], list[Path]]:
+        """Temp files whose writer is gone (or too old) and lock files nobody holds."""
+        temps: list[Path] = []
+        locks: list[Path] = []
+        now = time.time()
+        for d in self._fanout_dirs():
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
+                p = d / name
+                if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
+                    pid_text = name[len(TEMP_PREFIX) :].split("-", 1)[0]
+                    try:
+                        age = now - os.lstat(p).st_mtime
+                    except OSError:
+                        continue
+                    alive = pid_text.isdigit() and _pid_alive(int(pid_text))
+                    if not alive or age > TEMP_MAX_AGE:
+                        temps.append(p)
+                elif name.endswith(LOCK_SUFFIX):
+                    lock = filelock.FileLock(str(p), timeout=0)
+                    try:
+                        lock.acquire()
+                    except (filelock.Timeout, OSError):
+                        continue
+                    try:
+                        locks.append(p)
+                    finally:
+                        lock.release()
+        return temps, locks
+
+    def sweep(self) -> int:
+        """Remove orphaned temp and lock files; returns how many. Safe to run anytime."""
+        temps, locks = self.orphans()
+        n = 0
+        for p in temps + locks:
+            try:
+                os.unlink(p)
+                n += 1
+            except OSError:
+                pass
+        if n:
+            logger.info("swept %d orphaned temp/lock files in %s", n, self.root)
+        return n
+
+    # }}}
+
+
+class _Insecure(PermissionError):  # noqa: N818 - an OSError to callers of publish()
+    pass

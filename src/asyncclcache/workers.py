@@ -1,0 +1,72 @@
+"""A small pool of named daemon threads for background cache work.
+
+Like ``concurrent.futures.thread`` but with no futures: tasks report through
+their own callbacks, and a failure is logged and handed to ``on_error``, never
+raised into the submitting thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+__all__ = ["Workers"]
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+
+
+class Workers:
+    """``n`` daemon threads named ``<name>-<i>`` running submitted callables. Thread-safe."""
+
+    def __init__(self, n: int, name: str, on_error: Callable[[BaseException], None]) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._on_error = on_error
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
+        self._started = False
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Queue ``fn``; threads start on first use. No-op after :meth:`stop`."""
+        with self._lock:
+            if self._stopped:
+                return
+            if not self._started:
+                for t in self._threads:
+                    t.start()
+                self._started = True
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            if fn is _STOP:
+                return
+            try:
+                fn()  # type: ignore[operator]
+            except BaseException as e:  # noqa: BLE001 - background: report, never raise
+                logger.exception("background task failed")
+                try:
+                    self._on_error(e)
+                except Exception:  # noqa: BLE001
+                    logger.exception("error handler failed")
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop taking work; queued tasks still run. Joins up to ``timeout`` seconds."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            started = self._started
+        if not started:
+            return
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
