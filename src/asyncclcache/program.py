@@ -63,6 +63,7 @@ def cached_build(
     source = prg._source
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
     info = make_key(source_bytes, options_bytes, devs, include_path)
+    prg.cache_key = info.key  # type: ignore[attr-defined]
     entry = cache._lookup(info)
     overhead = time.perf_counter() - t_start
 
@@ -143,6 +144,8 @@ class Program(cl.Program):
     ) -> None:
         super().__init__(arg1, arg2, arg3)
         self._acc_cache = cache
+        #: The key of the last cached build (``None`` before ``build()`` or when bypassed).
+        self.cache_key: str | None = None
 
     def build(
         self,

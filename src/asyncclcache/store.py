@@ -197,8 +197,8 @@ class Store:
         path = self.path_for(key)
         try:
             fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # a blocked fan-out directory is the writer's problem, not a bad entry
         except OSError as e:
             if e.errno == errno.ELOOP:
                 self._reject(path, "is a symbolic link", None, insecure=True)

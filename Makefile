@@ -1,0 +1,21 @@
+# The two commands of the README. Each sets up what it needs (apt pocl, .venv, the package).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench lint
+
+demo:
+	@scripts/setup.sh
+	$(VENV)/bin/asyncclcache info
+
+test:
+	@scripts/setup.sh test
+	$(PY) -m pytest -q
+
+bench:
+	@scripts/setup.sh
+	$(PY) benchmarks/run.py
+
+lint:
+	@scripts/setup.sh dev
+	$(VENV)/bin/ruff check src tests examples benchmarks

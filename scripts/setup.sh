@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Make a fresh Debian machine ready: pocl from apt (if missing), a venv, the package.
+# Usage: scripts/setup.sh [EXTRAS]   (EXTRAS e.g. "test" or "test,mpi")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+venv="${VENV:-.venv}"
+
+if ! dpkg -s pocl-opencl-icd >/dev/null 2>&1; then
+    sudo_cmd=""
+    [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+    echo "setup: installing Debian's pocl-opencl-icd" >&2
+    $sudo_cmd apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq pocl-opencl-icd ocl-icd-libopencl1 >/dev/null
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -U pip >/dev/null 2>&1 || true
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
+log="$(mktemp)"
+if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$spec" >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"; exit 1
+fi
+rm -f "$log"
+"$venv/bin/python" -c "import asyncclcache, pyopencl" 

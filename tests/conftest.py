@@ -1,0 +1,92 @@
+"""Fixtures: a temp cache directory, a real pocl context, and fresh processes.
+
+pocl reads ``POCL_CACHE_DIR`` once per process, so this process gets its own
+(set before pyopencl starts), and tests that need a *new node* run their
+scenario in a child process with a fresh one (:func:`run_child`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+_SESSION_POCL = tempfile.mkdtemp(prefix="acc-test-pocl-")
+os.environ["POCL_CACHE_DIR"] = _SESSION_POCL
+# Children must not inherit a user's settings that change what is tested.
+for _var in list(os.environ):
+    if _var.startswith("ASYNCCLCACHE_") or _var == "PYOPENCL_NO_CACHE":
+        del os.environ[_var]
+os.environ["ASYNCCLCACHE_DIR"] = tempfile.mkdtemp(prefix="acc-test-default-")
+
+import pytest  # noqa: E402
+from kernels import run_twice, seed_source, small_source  # noqa: E402, F401
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    """An empty directory for a cache."""
+    d = tmp_path / "acc"
+    return d
+
+
+@pytest.fixture(scope="session")
+def cl_ctx() -> Any:
+    """A real pocl context (the first pocl CPU device)."""
+    import pyopencl as cl
+
+    for p in cl.get_platforms():
+        if p.name == "Portable Computing Language":
+            return cl.Context(p.get_devices()[:1])
+    pytest.skip("pocl is not installed (apt-get install pocl-opencl-icd)")
+    return None
+
+
+@pytest.fixture
+def queue(cl_ctx: Any) -> Any:
+    import pyopencl as cl
+
+    return cl.CommandQueue(cl_ctx)
+
+
+def run_child(
+    code: str,
+    *args: str,
+    pocl_cache: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh Python with its own POCL_CACHE_DIR (a new node)."""
+    e = dict(os.environ)
+    e["POCL_CACHE_DIR"] = str(pocl_cache) if pocl_cache else tempfile.mkdtemp(prefix="acc-pocl-")
+    e["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + e.get("PYTHONPATH", "")
+    if env:
+        e.update(env)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=timeout,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"child failed with {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
+    return proc
+
+
+def child_json(proc: subprocess.CompletedProcess[str]) -> Any:
+    """The last stdout line of a child, parsed as JSON."""
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert lines, f"child printed nothing; stderr:\n{proc.stderr}"
+    return json.loads(lines[-1])

@@ -1,0 +1,404 @@
+"""The drop-in Program on real pocl: same behaviour as pyopencl, cached in the background."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pyopencl as cl
+import pytest
+from conftest import child_json, run_child
+from kernels import run_twice, small_source
+
+import asyncclcache as acc
+from asyncclcache.store import Store
+
+
+def test_behaves_like_pyopencl_program(cl_ctx, cache_dir):
+    cache = acc.Cache(cache_dir)
+    src = small_source("twice") + "__kernel void other(__global float *x) { x[0] = 1.0f; }\n"
+    prg = cache.program(cl_ctx, src)
+    assert isinstance(prg, cl.Program)
+    assert prg.build() is prg
+    assert run_twice(cl_ctx, prg)
+    assert sorted(k.function_name for k in prg.all_kernels()) == ["other", "twice"]
+    assert set(prg.get_info(cl.program_info.KERNEL_NAMES).split(";")) == {"other", "twice"}
+    assert prg.twice.num_args == 2
+    assert prg.cache_key is not None and len(prg.cache_key) == 64
+    assert cache.flush(120)
+    cache.close()
+
+
+def test_bad_source_raises_like_pyopencl_and_writes_nothing(cl_ctx, cache_dir):
+    bad = "__kernel void broken(__global float *a) { a[0] = undefined_name; }"
+    with pytest.raises(cl.RuntimeError) as theirs:
+        cl.Program(cl_ctx, bad).build()
+    cache = acc.Cache(cache_dir)
+    with pytest.raises(cl.RuntimeError) as ours:
+        cache.program(cl_ctx, bad).build()
+    assert type(ours.value) is type(theirs.value)
+    assert ours.value.code == theirs.value.code == cl.status_code.BUILD_PROGRAM_FAILURE
+    assert "undefined_name" in str(ours.value)  # the build log is in the message
+    assert cache.flush(30)
+    assert list(Store(cache_dir).entries()) == []
+    stats = cache.stats()
+    assert (stats.writes, stats.pending, stats.hits) == (0, 0, 0)
+    cache.close()
+
+
+def test_bad_options_raise_like_pyopencl(cl_ctx, cache_dir):
+    src = small_source()
+    with pytest.raises(cl.Error) as theirs:
+        cl.Program(cl_ctx, src).build(options=["-Dbroken=(", "-cl-no-such-option"])
+    with pytest.raises(cl.Error) as ours:
+        acc.Cache(cache_dir).program(cl_ctx, src).build(options=["-Dbroken=(", "-cl-no-such-option"])
+    assert type(ours.value) is type(theirs.value)
+    assert ours.value.code == theirs.value.code
+
+
+def test_cold_build_queries_no_binaries_in_main_process(cache_dir, tmp_path):
+    # The seed kernel at n=300 takes seconds to generate its generic variant
+    # ("0-0-0" in pocl's cache): a build that queried BINARIES would have made it.
+    code = r"""
+import json, os, sys, time, pathlib
+import asyncclcache as acc, asyncclcache.binaries as b, pyopencl as cl
+from kernels import seed_source
+calls = []
+orig = b.program_binaries
+b.program_binaries = lambda *a, **k: calls.append(1) or orig(*a, **k)
+pocl = pathlib.Path(os.environ["POCL_CACHE_DIR"])
+generic = lambda: sorted(str(p) for p in pocl.rglob("0-0-0"))
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1])
+t = time.perf_counter()
+prg = cache.program(ctx, seed_source(300)).build()
+after_build = {"generic": generic(), "pending": cache.stats().pending, "writes": cache.stats().writes}
+ok = cache.flush(300)
+print(json.dumps({"after_build": after_build, "flushed": ok, "generic_after": generic(),
+                  "main_calls": len(calls), "stats": cache.stats().as_dict()}))
+"""
+    out = child_json(run_child(code, str(cache_dir)))
+    assert out["after_build"] == {"generic": [], "pending": 1, "writes": 0}
+    assert out["flushed"]
+    assert out["generic_after"], "the helper's warm-up should have compiled the generic variant"
+    assert out["main_calls"] == 0
+    assert out["stats"]["warmups"] == 1 and out["stats"]["writes"] == 1
+
+
+def test_entry_gives_new_node_a_hit(cache_dir):
+    code = r"""
+import json, sys
+import asyncclcache as acc, pyopencl as cl
+from kernels import small_source, run_twice
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1])
+prg = cache.program(ctx, small_source(salt="fixed-for-two-runs")).build()
+ok = run_twice(ctx, prg, local_size=(64,))
+flushed = cache.flush(120)
+print(json.dumps({"ok": ok, "flushed": flushed, "stats": cache.stats().as_dict()}))
+"""
+    first = child_json(run_child(code, str(cache_dir)))
+    assert first["ok"] and first["flushed"]
+    assert first["stats"]["misses"] == 1 and first["stats"]["writes"] >= 1
+    second = child_json(run_child(code, str(cache_dir)))  # fresh POCL_CACHE_DIR: a new node
+    assert second["ok"]
+    assert second["stats"]["hits"] == 1 and second["stats"]["misses"] == 0
+    assert second["stats"]["writes"] == 0
+
+
+def test_helper_started_once_idle_priority_and_reaped(cl_ctx, cache_dir):
+    cache = acc.Cache(cache_dir, strategy="process")
+    prgs = [cache.program(cl_ctx, small_source()).build() for _ in range(3)]
+    driver = cache._drivers["process"]
+    assert cache.flush(120)
+    assert driver.starts == 1
+    pid = driver.helper_pid
+    assert pid is not None and Path(f"/proc/{pid}").exists()
+    assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+    assert all(run_twice(cl_ctx, p) for p in prgs)
+    assert cache.stats().writes == 3
+    cache.close()
+    assert not Path(f"/proc/{pid}").exists()  # exited and reaped (no zombie either)
+
+
+def test_helper_exits_when_parent_is_killed(cache_dir):
+    code = r"""
+import os, sys, signal, time
+import asyncclcache as acc, pyopencl as cl
+from kernels import seed_source
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1])
+cache.program(ctx, seed_source(1000)).build()   # the helper will compile for seconds
+driver = cache._drivers["process"]
+while driver.helper_pid is None:
+    time.sleep(0.05)
+print(driver.helper_pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = run_child(code, str(cache_dir), check=False)
+    assert proc.returncode == -9
+    pid = int(proc.stdout.split()[0])
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid), "helper outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_damaged_entry_rebuilds_warns_and_is_replaced(cl_ctx, cache_dir):
+    src = small_source()
+    cache = acc.Cache(cache_dir)
+    prg = cache.program(cl_ctx, src).build()
+    assert cache.flush(120)
+    path = Store(cache_dir).path_for(prg.cache_key)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    cache.close()
+
+    again = acc.Cache(cache_dir)  # no memory of the good entry
+    with pytest.warns(acc.CorruptEntryWarning):
+        prg2 = again.program(cl_ctx, src).build()
+    assert run_twice(cl_ctx, prg2)
+    assert again.stats().misses == 1
+    assert again.flush(120)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Store(cache_dir).load(prg.cache_key) is not None
+    again.close()
+
+
+def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir):
+    from asyncclcache.entry import Entry
+
+    src = small_source()
+    cache = acc.Cache(cache_dir)
+    prg = cache.program(cl_ctx, src).build()
+    assert cache.flush(120)
+    store = Store(cache_dir)
+    good = store.load(prg.cache_key)
+    assert good is not None
+    # A well-formed entry whose binary the driver cannot load (a driver upgrade, say).
+    junk = Entry(good.key, (b"not a pocl binary" * 64,), dict(good.meta))
+    store.publish(junk)
+    cache.close()
+
+    again = acc.Cache(cache_dir)
+    with pytest.warns(acc.BinaryRejectedWarning):
+        prg2 = again.program(cl_ctx, src).build()
+    assert run_twice(cl_ctx, prg2)
+    assert again.stats().rejected == 1
+    assert again.flush(120)
+    replaced = store.load(prg.cache_key)
+    assert replaced is not None and replaced.binaries != junk.binaries
+    again.close()
+
+
+def test_concurrent_builds_from_four_threads(cl_ctx, cache_dir):
+    import threading
+
+    cache = acc.Cache(cache_dir)
+    shared = small_source()
+    sources = [small_source() for _ in range(4)]
+    results: list[bool] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            for src in (sources[i], shared):
+                prg = cache.program(cl_ctx, src).build()
+                results.append(run_twice(cl_ctx, prg))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert results == [True] * 8
+    assert cache.flush(180)
+    keys = {e.key for e in Store(cache_dir).entries()}
+    assert len(keys) == 5
+    cache.close()
+
+
+def test_background_write_error_counted_not_raised(cl_ctx, cache_dir):
+    cache = acc.Cache(cache_dir)
+    prg = cache.program(cl_ctx, small_source())
+    # Block the entry's fan-out directory with a regular file: the write must fail.
+    from asyncclcache.keys import make_key
+
+    opts, inc = prg._process_build_options(cl_ctx, None)
+    key = make_key(prg._source.encode(), opts, cl_ctx.devices, inc).key
+    (Path(cache.directory) / key[:2]).write_bytes(b"in the way")
+    prg.build()
+    assert prg.cache_key == key
+    assert run_twice(cl_ctx, prg)
+    with pytest.warns(acc.WriteFailedWarning):
+        assert cache.flush(120)
+    stats = cache.stats()
+    assert stats.write_errors == 1 and stats.writes == 0 and stats.pending == 0
+    cache.close()
+
+
+def test_failure_fatal_raises_in_flush(cache_dir):
+    code = r"""
+import json, sys, pathlib, warnings
+import asyncclcache as acc, pyopencl as cl
+from asyncclcache.keys import make_key
+from kernels import small_source
+warnings.simplefilter("ignore")
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1])
+prg = cache.program(ctx, small_source())
+opts, inc = prg._process_build_options(ctx, None)
+key = make_key(prg._source.encode(), opts, ctx.devices, inc).key
+(pathlib.Path(cache.directory) / key[:2]).write_bytes(b"in the way")
+prg.build()
+try:
+    cache.flush(120)
+except acc.BackgroundError as e:
+    print(json.dumps({"raised": type(e).__name__}))
+else:
+    print(json.dumps({"raised": None}))
+"""
+    out = child_json(run_child(code, str(cache_dir), env={"ASYNCCLCACHE_FAILURE_FATAL": "1"}))
+    assert out == {"raised": "BackgroundError"}
+
+
+def test_exit_with_pending_work_is_bounded_and_clean(cache_dir):
+    code = r"""
+import sys, time
+import asyncclcache as acc, pyopencl as cl
+from kernels import seed_source
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1])
+cache.program(ctx, seed_source(1000)).build()
+driver = cache._drivers["process"]
+while driver.helper_pid is None:
+    time.sleep(0.05)
+print(driver.helper_pid, time.time(), flush=True)
+"""
+    import time
+
+    t0 = time.monotonic()
+    proc = run_child(code, str(cache_dir), env={"ASYNCCLCACHE_EXIT_TIMEOUT": "0.5"})
+    elapsed = time.monotonic() - t0
+    pid_text, printed_at = proc.stdout.split()
+    exit_took = time.time() - float(printed_at)
+    # The generic compile takes about 5 s; exit waited 0.5 s plus the helper's reaping.
+    assert exit_took < 4.0, f"exit took {exit_took:.1f}s (total {elapsed:.1f}s)"
+    assert not _alive(int(pid_text))
+    store = Store(cache_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for e in store.entries():  # whatever is there is complete
+            assert store.load(e.key) is not None
+    temps, _locks = store.orphans()
+    assert temps == []
+
+
+@pytest.mark.parametrize("strategy", ["thread", "sync"])
+def test_in_process_strategies_write_valid_entries(strategy, cache_dir):
+    code = r"""
+import json, sys
+import asyncclcache as acc, pyopencl as cl
+from kernels import small_source, run_twice
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1], strategy=sys.argv[2])
+prg = cache.program(ctx, small_source(salt="strategy-" + sys.argv[2])).build()
+flushed = cache.flush(120)   # before launching: no query races a launch (F13)
+ok = run_twice(ctx, prg)
+print(json.dumps({"ok": ok, "flushed": flushed, "stats": cache.stats().as_dict(),
+                  "drivers": sorted(cache._drivers)}))
+"""
+    first = child_json(run_child(code, str(cache_dir), strategy))
+    assert first["ok"] and first["flushed"] and first["drivers"] == [strategy]
+    assert first["stats"]["writes"] == 1 and first["stats"]["warmups"] == 0
+    second = child_json(run_child(code, str(cache_dir), strategy))
+    assert second["ok"] and second["stats"]["hits"] == 1
+
+
+def test_strategy_from_environment(cache_dir):
+    code = r"""
+import json, sys
+import asyncclcache as acc
+print(json.dumps(acc.Cache(sys.argv[1]).strategy))
+"""
+    assert child_json(run_child(code, str(cache_dir), env={"ASYNCCLCACHE_STRATEGY": "sync"})) == "sync"
+    bad = run_child(code, str(cache_dir), env={"ASYNCCLCACHE_STRATEGY": "fast"}, check=False)
+    assert bad.returncode != 0 and "ASYNCCLCACHE_STRATEGY" in bad.stderr
+
+
+def test_two_devices_in_one_context(cache_dir):
+    code = r"""
+import json, sys
+import asyncclcache as acc, pyopencl as cl
+from kernels import small_source, run_twice
+devs = cl.get_platforms()[0].get_devices()
+ctx = cl.Context(devs)
+cache = acc.Cache(sys.argv[1])
+prg = cache.program(ctx, small_source(salt="two-devices")).build()
+flushed = cache.flush(120)
+entry = cache.store.load(prg.cache_key)
+print(json.dumps({"ndev": len(devs), "ok": run_twice(ctx, prg), "flushed": flushed,
+                  "binaries": len(entry.binaries) if entry else 0, "stats": cache.stats().as_dict()}))
+"""
+    env = {"POCL_DEVICES": "pthread pthread"}
+    first = child_json(run_child(code, str(cache_dir), env=env))
+    if first["ndev"] < 2:
+        pytest.skip("this pocl does not expose two devices with POCL_DEVICES")
+    assert first["ok"] and first["flushed"] and first["binaries"] == 2
+    second = child_json(run_child(code, str(cache_dir), env=env))
+    assert second["ok"] and second["stats"]["hits"] == 1
+
+
+def test_pyopencl_build_options_are_part_of_the_key(cache_dir):
+    code = r"""
+import json, sys
+import numpy as np, pyopencl as cl, asyncclcache as acc
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+q = cl.CommandQueue(ctx)
+src = "__kernel void f(__global float *c) { c[get_global_id(0)] = FACTOR; }"
+cache = acc.Cache(sys.argv[1])
+prg = cache.program(ctx, src).build()
+c = np.zeros(8, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
+prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
+cache.flush(60)
+print(json.dumps({"value": float(c[0]), "key": prg.cache_key, "hits": cache.stats().hits}))
+"""
+    three = child_json(run_child(code, str(cache_dir), env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=3"}))
+    five = child_json(run_child(code, str(cache_dir), env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=5"}))
+    assert (three["value"], five["value"]) == (3.0, 5.0)
+    assert three["key"] != five["key"] and five["hits"] == 0
+    again = child_json(run_child(code, str(cache_dir), env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=3"}))
+    assert again == {"value": 3.0, "key": three["key"], "hits": 1}
+
+
+def test_disabled_by_environment_builds_plainly(cache_dir):
+    code = r"""
+import json, sys
+import asyncclcache as acc, pyopencl as cl
+from kernels import small_source, run_twice
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1])
+prg = cache.program(ctx, small_source()).build()
+print(json.dumps({"ok": run_twice(ctx, prg), "flushed": cache.flush(10), "stats": cache.stats().as_dict()}))
+"""
+    out = child_json(run_child(code, str(cache_dir), env={"ASYNCCLCACHE_DISABLE": "1"}))
+    assert out["ok"] and out["flushed"]
+    assert out["stats"]["misses"] == 0 and out["stats"]["hits"] == 0 and out["stats"]["writes"] == 0
