@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 
 demo:
 	@scripts/setup.sh
-	$(VENV)/bin/asyncclcache info
+	$(PY) examples/simulation.py
 
 test:
 	@scripts/setup.sh test
