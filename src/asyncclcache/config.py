@@ -46,6 +46,8 @@ def parse_size(value: str | int | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size: must be >= 0, got {value}")
         return value or None
     m = _SIZE_RE.match(value)
     if not m:
@@ -74,9 +76,22 @@ class Config:
         strategy = e.get("ASYNCCLCACHE_STRATEGY", "auto").strip().lower() or "auto"
         if strategy not in STRATEGIES:
             raise ValueError(f"ASYNCCLCACHE_STRATEGY: expected one of {STRATEGIES}, got {strategy!r}")
-        workers = int(e.get("ASYNCCLCACHE_WORKERS", "1") or "1")
+        raw = e.get("ASYNCCLCACHE_WORKERS", "1") or "1"
+        try:
+            workers = int(raw)
+        except ValueError:
+            raise ValueError(f"ASYNCCLCACHE_WORKERS: expected an integer, got {raw!r}") from None
         if workers < 1:
             raise ValueError("ASYNCCLCACHE_WORKERS: must be >= 1")
+        raw = e.get("ASYNCCLCACHE_EXIT_TIMEOUT", "5") or "5"
+        try:
+            exit_timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected seconds, got {raw!r}") from None
+        try:
+            max_size = parse_size(e.get("ASYNCCLCACHE_MAX_SIZE"))
+        except ValueError as err:
+            raise ValueError(f"ASYNCCLCACHE_MAX_SIZE: {err}") from None
         return cls(
             directory=e.get("ASYNCCLCACHE_DIR") or None,
             disable=bool(parse_bool(e.get("ASYNCCLCACHE_DISABLE"), name="ASYNCCLCACHE_DISABLE")),
@@ -86,8 +101,8 @@ class Config:
             failure_fatal=bool(
                 parse_bool(e.get("ASYNCCLCACHE_FAILURE_FATAL"), name="ASYNCCLCACHE_FAILURE_FATAL")
             ),
-            exit_timeout=float(e.get("ASYNCCLCACHE_EXIT_TIMEOUT", "5") or "5"),
-            max_size=parse_size(e.get("ASYNCCLCACHE_MAX_SIZE")),
+            exit_timeout=exit_timeout,
+            max_size=max_size,
         )
 
 

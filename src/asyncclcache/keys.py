@@ -25,6 +25,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -81,12 +82,22 @@ def device_identity(device: cl.Device) -> dict[str, str]:
     }
 
 
+#: A file changed less than this before it was hashed may change again without a
+#: visible new timestamp (coarse or lagging file system clocks): never memoized.
+_RACY_NS = 2_000_000_000
+
+
 class _DigestMemo:
-    """(path, inode, size, mtime) -> content digest: a cheap stat before any re-hash."""
+    """(path, inode, size, mtime, ctime) -> content digest: a cheap stat before any re-hash.
+
+    Like git's "racily clean" rule, a digest is only remembered for a file whose
+    last change is clearly older than the moment it was hashed; otherwise a second
+    edit within one timestamp tick (same size) would return the stale digest.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._memo: dict[str, tuple[tuple[int, int, int], str]] = {}
+        self._memo: dict[str, tuple[tuple[int, int, int, int], str]] = {}
 
     def digest(self, path: str) -> str | None:
         try:
@@ -95,18 +106,20 @@ class _DigestMemo:
             return None
         if not os.path.isfile(path):
             return None
-        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         with self._lock:
             hit = self._memo.get(path)
         if hit is not None and hit[0] == stamp:
             return hit[1]
+        hashed_at = time.time_ns()
         try:
             with open(path, "rb") as f:
                 digest = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             return None
-        with self._lock:
-            self._memo[path] = (stamp, digest)
+        if hashed_at - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
+            with self._lock:
+                self._memo[path] = (stamp, digest)
         return digest
 
     def read(self, path: str) -> bytes | None:

@@ -46,6 +46,7 @@ def detect_rank(env: dict[str, str] | os._Environ[str] | None = None) -> int | N
     e = os.environ if env is None else env
     for var in RANK_ENV_VARS:
         value = e.get(var)
-        if value is not None and value.strip().isdigit():
+        # ASCII digits only: str.isdigit() accepts e.g. "²", which int() rejects.
+        if value is not None and value.strip().isascii() and value.strip().isdigit():
             return int(value)
     return None

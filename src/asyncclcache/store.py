@@ -56,6 +56,8 @@ TEMP_SUFFIX = ".partial"
 TEMP_MAX_AGE = 3600.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# A FIFO planted where an entry should be would block open() for reading forever.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def default_directory() -> Path:
@@ -196,7 +198,7 @@ class Store:
             return None
         path = self.path_for(key)
         try:
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             return None  # a blocked fan-out directory is the writer's problem, not a bad entry
         except OSError as e:
@@ -307,9 +309,9 @@ class Store:
     def _write_atomic(directory: Path, target: Path, data: bytes, write_hook: Any) -> None:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TEMP_PREFIX}{os.getpid()}-", suffix=TEMP_SUFFIX)
         try:
-            if write_hook is not None:
-                write_hook(tmp)
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "wb") as f:  # owns fd from here: closed on any error
+                if write_hook is not None:
+                    write_hook(tmp)
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

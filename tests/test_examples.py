@@ -1,0 +1,73 @@
+"""Every example runs (short mode) and says what it should."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(args: list[str], cache_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, ASYNCCLCACHE_DIR=str(cache_dir),
+               POCL_CACHE_DIR=tempfile.mkdtemp(prefix="acc-example-"))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, check=False)
+
+
+def _row(out: str, name: str) -> list[str]:
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
+    return line.split()[len(name.split()):]
+
+
+def test_simulation_demo_cold_then_warm(cache_dir):
+    proc = _run([str(EXAMPLES / "simulation.py"), "--short"], cache_dir)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert len(re.findall(r"step +\d+/3:", out)) == 6  # a progress line per step, two runs
+    assert _row(out, "hits") == ["0", "4"]
+    assert _row(out, "misses") == ["4", "0"]
+    writes = _row(out, "writes")
+    assert int(writes[0]) == 4 and writes[1] == "0"
+    assert int(_row(out, "bytes_written")[0]) > 0
+    assert _row(out, "same result") == ["yes"]
+    cold, warm = map(float, _row(out, "first step (s)"))
+    assert warm < cold
+
+
+def test_library_wrapper_second_run_hits_everything(cache_dir):
+    first = _run([str(EXAMPLES / "library_wrapper.py")], cache_dir)
+    second = _run([str(EXAMPLES / "library_wrapper.py")], cache_dir)
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    result = [re.search(r"result (\S+)", p.stdout).group(1) for p in (first, second)]
+    assert result[0] == result[1]
+    assert re.search(r"[1-9]\d* entries written", first.stdout)
+    assert re.search(r" 0 misses; 0 entries written", second.stdout)
+
+
+def test_mpi_example_explains_or_runs(cache_dir):
+    script = str(EXAMPLES / "mpi_ranks.py")
+    if importlib.util.find_spec("mpi4py") is None:
+        proc = _run([script], cache_dir)
+        assert proc.returncode == 2
+        assert "needs mpi4py" in proc.stderr and "mpiexec" in proc.stderr
+        return
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
+                           + os.environ.get("PATH", ""))
+    if mpiexec is None:
+        pytest.skip("mpi4py is installed but no mpiexec was found")
+    env = dict(os.environ, ASYNCCLCACHE_DIR=str(cache_dir))
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script], capture_output=True,
+                          text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 ranks, rank-local caches" in proc.stdout
+    assert "rank-0" in proc.stdout and "rank-1" in proc.stdout
