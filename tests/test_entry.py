@@ -145,7 +145,9 @@ def test_metadata_length_zero() -> None:
         decode(_reseal(HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0) + meta + binaries))
 
 
-def _sealed_with_meta(meta_obj: object, binaries: bytes = b"abc", raw: bytes | None = None) -> bytes:
+def _sealed_with_meta(
+    meta_obj: object, binaries: bytes = b"abc", raw: bytes | None = None
+) -> bytes:
     meta = raw if raw is not None else json.dumps(meta_obj).encode()
     return _reseal(HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(meta)) + meta + binaries)
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import child_json, run_child, small_source
 
 from asyncclcache.keys import (
     FORMAT_VERSION,
@@ -18,6 +17,7 @@ from asyncclcache.keys import (
     find_include_deps,
     make_key,
 )
+from conftest import child_json, run_child, small_source
 
 SOURCE = small_source(salt="test_keys").encode()
 OPTIONS = b"-DFOO=1"
@@ -86,7 +86,8 @@ def test_another_device_changes_the_key(cl_ctx: Any) -> None:
             CHILD_KEY, SOURCE.decode(), OPTIONS.decode(), "[]", env={"POCL_DEVICES": "basic"}
         )
     )
-    assert out["names"] and all(n != cl_ctx.devices[0].name for n in out["names"])
+    assert out["names"]
+    assert all(n != cl_ctx.devices[0].name for n in out["names"])
     assert out["key"] != here
 
 
@@ -259,7 +260,8 @@ def test_deps_unchanged(inc: Path) -> None:
     hdr = inc / "hdr.h"
     hdr.write_text("#define SCALE 2.0f\n")
     deps = find_include_deps(INCLUDING, [str(inc)])
-    assert deps and isinstance(deps[0], IncludeDep)
+    assert deps
+    assert isinstance(deps[0], IncludeDep)
     recorded = [{"path": d.path, "sha256": d.sha256} for d in deps]
     assert deps_unchanged(recorded)
     hdr.write_text("#define SCALE 8.0f\n")

@@ -321,7 +321,7 @@ class Cache:
         if not self.active or not self.store.enabled:
             return
         driver = self._driver(devices)
-        job = Job(info, source, info.options, devices, logs)
+        job = Job(info, source, info.options, devices, logs, created=time.time())
         job.extra["driver"] = driver
         if driver.needs_program:
             job.program = program  # keep it alive until its binaries are taken
@@ -347,12 +347,49 @@ class Cache:
 
     def _fetch(self, job: Job, purpose: str) -> None:
         with self._lock:
-            if self._closed:
+            if self._closed or job.yielded:
                 return
             self._pending += 1
             self._inflight.add(job.key)
+        if job.extra["driver"].name == "sync":
+            self._start(job, purpose)
+        else:
+            # Claiming touches the disk: not on the caller's thread.
+            self._workers.submit(lambda: self._start(job, purpose))
+
+    def _start(self, job: Job, purpose: str) -> None:
+        if job.claim is None:
+            try:
+                claim = self.store.claim(job.key)
+            except OSError as e:
+                try:
+                    self._write_failed(job, e)
+                finally:
+                    self._done(job)
+                return
+            if claim is None or (purpose != "refresh" and self._written_since(job)):
+                # Another process (rank) works on this key, or already wrote it: skip.
+                if claim is not None:
+                    claim.release()
+                with self._lock:
+                    job.yielded = True
+                    self._counts["skipped"] += 1
+                self._done(job)
+                return
+            job.claim = claim
         driver: Driver = job.extra["driver"]
         driver.fetch(job, lambda binaries, error: self._fetched(job, purpose, binaries, error))
+
+    def _written_since(self, job: Job) -> bool:
+        try:
+            return self.store.path_for(job.key).stat().st_mtime >= job.created
+        except OSError:
+            return False
+
+    def _release_claim(self, job: Job) -> None:
+        claim, job.claim = job.claim, None
+        if claim is not None:
+            claim.release()
 
     def _fetched(
         self, job: Job, purpose: str, binaries: list[bytes] | None, error: BaseException | None
@@ -364,6 +401,7 @@ class Cache:
             if first and job.extra["driver"].name == "process" and error is None:
                 self._counts["warmups"] += 1
         if error is not None:
+            self._release_claim(job)
             self._background_error(error)
             self._done(job)
             return
@@ -399,16 +437,9 @@ class Cache:
                 },
             )
             try:
-                result = self.store.publish(entry)
+                result = self.store.publish(entry, claim=job.claim)
             except OSError as e:
-                self._count("write_errors")
-                warnings.warn(
-                    f"asyncclcache: could not write entry {job.key[:12]} to {self.store.root}: "
-                    f"{e.strerror or e}",
-                    WriteFailedWarning,
-                    stacklevel=2,
-                )
-                self._background_error(e, count=False)
+                self._write_failed(job, e)
                 return
             if result is PublishResult.WRITTEN:
                 with self._lock:
@@ -425,7 +456,17 @@ class Cache:
             elif result is PublishResult.SKIPPED:
                 self._count("skipped")
         finally:
+            self._release_claim(job)
             self._done(job)
+
+    def _write_failed(self, job: Job, e: OSError) -> None:
+        self._count("write_errors")
+        self._background_error(e, count=False)
+        _warn(
+            f"asyncclcache: could not write entry {job.key[:12]} to {self.store.root}: "
+            f"{e.strerror or e}",
+            WriteFailedWarning,
+        )
 
     def _done(self, job: Job) -> None:
         with self._idle:
@@ -451,6 +492,14 @@ class Cache:
             self._errors.append(error)
 
     # }}}
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    # From a background thread: a warnings filter set to "error" must not break bookkeeping.
+    try:
+        warnings.warn(message, category, stacklevel=3)
+    except Exception:  # noqa: BLE001
+        logger.warning("%s", message)
 
 
 _default: Cache | None = None

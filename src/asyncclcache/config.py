@@ -89,7 +89,7 @@ class Config:
         except ValueError:
             raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected seconds, got {raw!r}") from None
         try:
-            max_size = parse_size(e.get("ASYNCCLCACHE_MAX_SIZE"))
+            max_size = parse_size(e.get("ASYNCCLCACHE_MAX_SIZE") or None)  # empty: unset
         except ValueError as err:
             raise ValueError(f"ASYNCCLCACHE_MAX_SIZE: {err}") from None
         return cls(

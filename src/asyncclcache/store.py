@@ -44,7 +44,7 @@ from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
 from .keys import FORMAT_VERSION
 from .ranks import detect_rank
 
-__all__ = ["ENTRY_SUFFIX", "PublishResult", "Store", "StoredEntry", "default_directory"]
+__all__ = ["ENTRY_SUFFIX", "Claim", "PublishResult", "Store", "StoredEntry", "default_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,8 @@ class Store:
 
     def _open(self) -> None:
         try:
+            # Missing parents (a fresh account's ~/.cache) are made like ``mkdir -p``.
+            self.base.parent.mkdir(parents=True, exist_ok=True)
             for d in (self.base, self.base / f"v{FORMAT_VERSION}", self.root):
                 self._make_dir(d)
             if not os.access(self.root, os.W_OK | os.X_OK):
@@ -251,13 +253,14 @@ class Store:
                 f"asyncclcache: ignoring cache entry {path}: {why}", InsecureCacheWarning, stacklevel=4
             )
             return
+        # Remove first: a warnings filter set to "error" must not leave the bad file.
+        self._remove_if_same(path, st)
+        logger.warning("dropping damaged cache entry %s: %s", path, why)
         warnings.warn(
             f"asyncclcache: dropping damaged cache entry {path}: {why}; rebuilding",
             CorruptEntryWarning,
             stacklevel=4,
         )
-        logger.warning("dropping damaged cache entry %s: %s", path, why)
-        self._remove_if_same(path, st)
 
     @staticmethod
     def _remove_if_same(path: Path, st: os.stat_result | None) -> None:
@@ -277,9 +280,32 @@ class Store:
 
     # {{{ write
 
-    def publish(self, entry: Entry, *, write_hook: Any = None) -> PublishResult:
+    def claim(self, key: str) -> Claim | None:
+        """Take the per-key lock without blocking; ``None`` if another process holds it.
+
+        The holder does the warm-up and the write for ``key``; everyone else skips.
+        The lock is an ``flock``: a killed holder's claim expires with it. Pass the
+        claim to :meth:`publish` and release it when done. Thread-safe.
+        """
+        if not self.enabled:
+            return None
+        directory = self._fanout(key)
+        self._make_dir(directory)
+        lock_path = directory / (key + LOCK_SUFFIX)
+        lock = filelock.FileLock(str(lock_path), timeout=0, mode=0o600, thread_local=False)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            logger.debug("entry %s is claimed by another process: skip", key)
+            return None
+        return Claim(key, lock_path, lock)
+
+    def publish(
+        self, entry: Entry, *, claim: Claim | None = None, write_hook: Any = None
+    ) -> PublishResult:
         """Atomically write ``entry``, unless another writer holds its key.
 
+        With ``claim`` (from :meth:`claim`) the lock is already held and stays held.
         Raises ``OSError`` for I/O failures (disk full, permissions) after removing
         its temp file: nothing partial is ever visible. ``write_hook``, if given, is
         called with the temp path before the data is written (tests widen the
@@ -287,22 +313,17 @@ class Store:
         """
         if not self.enabled:
             return PublishResult.DISABLED
-        directory = self._fanout(entry.key)
-        self._make_dir(directory)
-        lock_path = directory / (entry.key + LOCK_SUFFIX)
-        lock = filelock.FileLock(str(lock_path), timeout=0)
+        own = claim is None
+        if claim is None:
+            claim = self.claim(entry.key)
+            if claim is None:
+                return PublishResult.SKIPPED
         try:
-            lock.acquire()
-        except filelock.Timeout:
-            logger.debug("entry %s is being written by another process: skip", entry.key)
-            return PublishResult.SKIPPED
-        try:
+            directory = self._fanout(entry.key)
             self._write_atomic(directory, self.path_for(entry.key), encode(entry), write_hook)
         finally:
-            # Unlink while holding, so the file never outlives its writer.
-            with contextlib.suppress(OSError):
-                os.unlink(lock_path)
-            lock.release()
+            if own:
+                claim.release()
         return PublishResult.WRITTEN
 
     @staticmethod
@@ -418,6 +439,26 @@ class Store:
         return n
 
     # }}}
+
+
+class Claim:
+    """A held per-key lock (see :meth:`Store.claim`). ``release()`` is idempotent."""
+
+    def __init__(self, key: str, path: Path, lock: filelock.BaseFileLock) -> None:
+        self.key = key
+        self.path = path
+        self._lock = lock
+        self._released = False
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it, so none piles up) and unlock."""
+        if self._released:
+            return
+        self._released = True
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError, RuntimeError):
+            self._lock.release()
 
 
 class _Insecure(PermissionError):  # noqa: N818 - an OSError to callers of publish()

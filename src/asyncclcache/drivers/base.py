@@ -29,6 +29,11 @@ class Job:
     #: Digest of the binaries last written, so a refresh writes only what changed.
     written_digest: str | None = None
     fetches: int = 0
+    #: The per-key claim (store lock) while this process works on the key.
+    claim: Any = None
+    #: Another process claimed the key: this one leaves it alone.
+    yielded: bool = False
+    created: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
