@@ -1037,3 +1037,36 @@ def test_ranks_do_not_see_each_other(cache_dir: Path, monkeypatch: pytest.Monkey
 
 
 # }}}
+
+
+def test_symlinked_fanout_directory_is_refused(tmp_path):
+    from asyncclcache.entry import Entry
+    from asyncclcache.errors import InsecureCacheWarning
+
+    store = Store(tmp_path / "c")
+    key = "ab" + "0" * 62
+    entry = Entry(key, (b"x",), {"devices": [{"device_name": "d"}]})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (store.root / "ab").symlink_to(elsewhere)
+    with pytest.raises(PermissionError):
+        store.publish(entry)
+    assert list(elsewhere.iterdir()) == []
+    # An entry planted behind the link is not read.
+    (elsewhere / (key + ".acl")).write_bytes(b"planted")
+    with pytest.warns(InsecureCacheWarning, match="symbolic link"):
+        assert store.load(key) is None
+    assert (elsewhere / (key + ".acl")).exists()
+
+
+def test_directory_removed_while_running_is_recreated(tmp_path):
+    import shutil
+
+    from asyncclcache.entry import Entry
+
+    store = Store(tmp_path / "c")
+    shutil.rmtree(tmp_path / "c")
+    key = "cd" + "1" * 62
+    assert store.publish(Entry(key, (b"y",), {"devices": [{}]})) is PublishResult.WRITTEN
+    assert store.load(key).binaries == (b"y",)
+    assert oct((tmp_path / "c").stat().st_mode & 0o777) == "0o700"

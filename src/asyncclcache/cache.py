@@ -62,6 +62,14 @@ class Stats:
     errors: int = 0  # background failures (logged)
     main_thread_seconds: float = 0.0  # time the cache spent in callers' threads
 
+    def line(self) -> str:
+        """One line for a log or for rank 0 to print for the whole job."""
+        return (
+            f"asyncclcache: {self.hits} hits, {self.misses} misses, {self.writes} writes "
+            f"({self.bytes_written / 1e6:.1f} MB), {self.warmups} warm-ups, {self.skipped} skipped, "
+            f"{self.errors} errors, {self.pending} pending"
+        )
+
     def as_dict(self) -> dict[str, float]:
         """The counters as a plain dict (stable field names, for JSON)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -165,10 +173,23 @@ class Cache:
 
         return Program(context, source, cache=self)
 
-    def stats(self) -> Stats:
-        """This process's counters for this cache. Thread-safe."""
+    def stats(self, comm: Any = None) -> Stats:
+        """This process's counters for this cache. Thread-safe.
+
+        With an mpi4py communicator ``comm``, the counters summed over its ranks
+        (a collective call: every rank of ``comm`` must make it).
+        """
         with self._lock:
             counts = dict(self._counts, pending=self._pending)
+        if comm is not None:
+            import numpy as np
+            from mpi4py import MPI
+
+            names = [f.name for f in fields(Stats)]
+            mine = np.array([counts[n] for n in names], dtype=np.float64)
+            total = np.empty_like(mine)
+            comm.Allreduce(mine, total, op=MPI.SUM)
+            counts = dict(zip(names, total.tolist()))
         ints = {f.name for f in fields(Stats) if f.type in ("int", int)}
         return Stats(**{k: (int(v) if k in ints else float(v)) for k, v in counts.items()})
 
@@ -316,12 +337,17 @@ class Cache:
         source: bytes,
         devices: Sequence[cl.Device],
         logs: list[str],
+        looked_up_at: float,
     ) -> None:
-        """A miss was built: retrieve and write its binaries later. Caller's thread; cheap."""
+        """A miss was built: retrieve and write its binaries later. Caller's thread; cheap.
+
+        ``looked_up_at`` (``time.time()`` before the lookup) lets a process skip a key
+        that another process wrote after this one missed it.
+        """
         if not self.active or not self.store.enabled:
             return
         driver = self._driver(devices)
-        job = Job(info, source, info.options, devices, logs, created=time.time())
+        job = Job(info, source, info.options, devices, logs, created=looked_up_at)
         job.extra["driver"] = driver
         if driver.needs_program:
             job.program = program  # keep it alive until its binaries are taken

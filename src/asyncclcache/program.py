@@ -57,6 +57,7 @@ def cached_build(
         return _PYOPENCL_BUILD(prg, options, devices, cache_dir)
 
     t_start = time.perf_counter()
+    looked_up_at = time.time()
     context: cl.Context = prg._context
     options_bytes, include_path = prg._process_build_options(context, options)
     devs = list(devices) if devices is not None else list(context.devices)
@@ -99,7 +100,7 @@ def cached_build(
         t1 = time.perf_counter()
         cache._record_build(hit=False)
         logs = [log or "" for _dev, log in new._get_build_logs()] if _has_logs(new) else []
-        cache._schedule(new, info, source_bytes, devs, logs)
+        cache._schedule(new, info, source_bytes, devs, logs, looked_up_at)
         overhead += time.perf_counter() - t1
         descr = "source build (binary retrieved in the background)"
 

@@ -141,8 +141,7 @@ class Store:
         try:
             # Missing parents (a fresh account's ~/.cache) are made like ``mkdir -p``.
             self.base.parent.mkdir(parents=True, exist_ok=True)
-            for d in (self.base, self.base / f"v{FORMAT_VERSION}", self.root):
-                self._make_dir(d)
+            self._make_dirs()
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, "not writable", str(self.root))
         except _Insecure as e:
@@ -167,17 +166,29 @@ class Store:
         return self.problem is None
 
     @staticmethod
-    def _make_dir(path: Path) -> None:
+    def _make_dir(path: Path, *, follow: bool = False) -> None:
+        # Only the user-given base may be a link (a cache on another disk); ours never are.
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
             pass
-        st = os.stat(path)
+        st = os.stat(path) if follow else os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise _Insecure(f"{path} is a symbolic link")
         if not stat.S_ISDIR(st.st_mode):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
         why = _insecure(st)
         if why is not None:
             raise _Insecure(f"{path} is {why}")
+
+    def _make_dirs(self, fanout: Path | None = None) -> None:
+        # Again before each write: another process may have removed the directory.
+        self._make_dir(self.base, follow=True)
+        dirs = [self.base / f"v{FORMAT_VERSION}", self.root]
+        if fanout is not None:
+            dirs.append(fanout)
+        for d in dict.fromkeys(dirs):
+            self._make_dir(d)
 
     def _fanout(self, key: str) -> Path:
         return self.root / key[:2]
@@ -200,15 +211,26 @@ class Store:
             return None
         path = self.path_for(key)
         try:
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
-            return None  # a blocked fan-out directory is the writer's problem, not a bad entry
+            # Neither the fan-out directory nor the entry may be a link.
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
+        except OSError as e:
+            # O_DIRECTORY | O_NOFOLLOW on a link fails with ENOTDIR (or ELOOP): tell apart.
+            if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.parent.is_symlink():
+                self._reject(path.parent, "is a symbolic link", None, insecure=True)
+            # Otherwise missing or blocked by a file: the writer's problem, not a bad entry.
+            return None
+        try:
+            fd = os.open(path.name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
+        except FileNotFoundError:
+            return None
         except OSError as e:
             if e.errno == errno.ELOOP:
                 self._reject(path, "is a symbolic link", None, insecure=True)
             else:
                 self._reject(path, f"cannot be read ({e.strerror})", None)
             return None
+        finally:
+            os.close(dfd)
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
@@ -290,7 +312,7 @@ class Store:
         if not self.enabled:
             return None
         directory = self._fanout(key)
-        self._make_dir(directory)
+        self._make_dirs(directory)
         lock_path = directory / (key + LOCK_SUFFIX)
         lock = filelock.FileLock(str(lock_path), timeout=0, mode=0o600, thread_local=False)
         try:

@@ -1,0 +1,170 @@
+"""Ranks: rank-local directories, one warm-up per key in a shared directory, killed holders.
+
+MPI tests launch ``mpiexec -n R`` (mpich from PyPI with mpi4py: the ``mpi`` extra) and
+are skipped, with the reason, only where MPI cannot start here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, child_json, run_child
+
+from asyncclcache.store import Store
+
+RANK_RUN = r"""
+import json, os, sys
+rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+os.environ["POCL_CACHE_DIR"] = os.path.join(sys.argv[2], f"pocl-rank{rank}")  # one per rank
+from mpi4py import MPI
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+comm = MPI.COMM_WORLD
+cache = acc.Cache(sys.argv[1], rank_local=(sys.argv[3] == "local"))
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+ok = True
+for i in range(int(sys.argv[4])):
+    prg = cache.program(ctx, small_source(salt=f"mpi-{i}")).build()
+    ok = run_twice(ctx, prg) and ok
+flushed = cache.flush(180)
+total = cache.stats(comm=comm)
+rows = comm.gather({"rank": rank, "dir": cache.directory, "ok": ok, "flushed": flushed,
+                    "stats": cache.stats().as_dict()}, root=0)
+if rank == 0:
+    print(json.dumps({"size": comm.Get_size(), "total": total.as_dict(), "rows": rows,
+                      "line": total.line()}))
+"""
+
+
+@functools.cache
+def _mpiexec() -> str | None:
+    bindir = os.path.dirname(sys.executable)
+    exe = shutil.which("mpiexec", path=bindir + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None:
+        return None
+    try:
+        probe = subprocess.run(
+            [exe, "-n", "2", sys.executable, "-c",
+             "from mpi4py import MPI; c = MPI.COMM_WORLD; c.Get_rank() or print(c.Get_size())"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return exe if probe.returncode == 0 and probe.stdout.split() == ["2"] else None
+
+
+def _mpirun(n: int, *args: str, tmp: Path) -> dict:
+    exe = _mpiexec()
+    if exe is None:
+        pytest.skip("MPI cannot start here (no mpiexec, or mpi4py missing: pip install '.[mpi]')")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("POCL_CACHE_DIR", None)
+    proc = subprocess.run([exe, "-n", str(n), sys.executable, "-c", RANK_RUN, *args],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return child_json(proc)
+
+
+def test_rank_local_directories(cache_dir, tmp_path):
+    out = _mpirun(2, str(cache_dir), str(tmp_path / "pocl1"), "local", "2", tmp=tmp_path)
+    assert out["size"] == 2
+    dirs = sorted(r["dir"] for r in out["rows"])
+    assert [Path(d).name for d in dirs] == ["rank-0", "rank-1"]
+    assert all(r["ok"] and r["flushed"] for r in out["rows"])
+    for d in dirs:  # each rank wrote its own entries
+        assert len(list(Store(cache_dir, rank_local=False).entries())) == 0
+        assert len([p for p in Path(d).rglob("*.acl")]) == 2
+    assert out["total"]["writes"] == 4 and out["total"]["warmups"] == 4
+
+
+def test_shared_mode_one_warmup_per_key_then_all_hits(cache_dir, tmp_path):
+    programs = 3
+    cold = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-cold"), "shared", str(programs), tmp=tmp_path)
+    assert all(r["ok"] and r["flushed"] for r in cold["rows"])
+    assert len({r["dir"] for r in cold["rows"]}) == 1
+    total = cold["total"]
+    assert total["misses"] == 3 * programs
+    assert total["warmups"] == programs, cold["rows"]  # one warm-up per key, not one per rank
+    assert total["writes"] == programs
+    assert total["skipped"] == 2 * programs
+    assert cold["line"].startswith("asyncclcache: 0 hits, 9 misses, 3 writes")
+
+    warm = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-warm"), "shared", str(programs), tmp=tmp_path)
+    t = warm["total"]
+    assert (t["hits"], t["misses"], t["writes"], t["warmups"]) == (3 * programs, 0, 0, 0)
+    assert all(r["ok"] for r in warm["rows"])
+
+
+# Without MPI: the claim is a per-key flock; a live holder makes others skip, a dead one expires.
+HOLDER = r"""
+import json, os, sys, time, signal
+import pyopencl as cl, asyncclcache as acc
+from kernels import seed_source
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1], rank_local=False)
+cache.program(ctx, seed_source(1000, salt="claim-test")).build()
+lock = cache.store.path_for(cache._jobs and next(iter(cache._jobs))).with_suffix(".lock")
+while not lock.exists():     # the worker claims the key before the helper starts compiling
+    time.sleep(0.01)
+print("claimed", flush=True)
+if sys.argv[2] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.stdin.readline()          # hold the claim until the test says go
+print(json.dumps({"flushed": cache.flush(300), "stats": cache.stats().as_dict()}), flush=True)
+"""
+
+CONTENDER = r"""
+import json, sys
+import pyopencl as cl, asyncclcache as acc
+from kernels import seed_source, run_twice
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1], rank_local=False)
+prg = cache.program(ctx, seed_source(1000, salt="claim-test")).build()
+print(json.dumps({"flushed": cache.flush(300), "stats": cache.stats().as_dict()}))
+"""
+
+
+def _start_holder(cache_dir: Path, mode: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               POCL_CACHE_DIR=str(cache_dir.parent / f"pocl-holder-{mode}"))
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(cache_dir), mode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "claimed"
+    return proc
+
+
+def test_live_claim_makes_others_skip(cache_dir):
+    holder = _start_holder(cache_dir, "hold")
+    try:
+        other = child_json(run_child(CONTENDER, str(cache_dir)))
+        assert other["flushed"]
+        s = other["stats"]
+        assert (s["misses"], s["skipped"], s["warmups"], s["writes"]) == (1, 1, 0, 0)
+        out, _ = holder.communicate("go\n", timeout=300)
+    finally:
+        holder.kill()
+    held = child_json(subprocess.CompletedProcess([], 0, out, ""))
+    assert held["flushed"] and held["stats"]["writes"] == 1 and held["stats"]["warmups"] == 1
+
+
+def test_claim_of_a_killed_process_expires(cache_dir):
+    holder = _start_holder(cache_dir, "die")
+    holder.wait(30)
+    assert holder.returncode == -signal.SIGKILL
+    after = child_json(run_child(CONTENDER, str(cache_dir)))
+    s = after["stats"]
+    assert (s["misses"], s["skipped"], s["writes"]) == (1, 0, 1)
+    store = Store(cache_dir, rank_local=False)
+    temps, _locks = store.orphans()
+    assert temps == []
+    assert [e.key for e in store.entries()]
+    again = child_json(run_child(CONTENDER, str(cache_dir)))
+    assert again["stats"]["hits"] == 1 and again["stats"]["writes"] == 0
