@@ -9,7 +9,7 @@ demo:
 	$(PY) examples/simulation.py
 
 test:
-	@scripts/setup.sh test
+	@scripts/setup.sh test,mpi
 	$(PY) -m pytest -q
 
 bench:
