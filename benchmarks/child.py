@@ -68,7 +68,6 @@ atexit.register(_final_hook)
 
 import numpy as np  # noqa: E402
 import pyopencl as cl  # noqa: E402
-
 from workloads import WORK_ITEMS, WORKLOADS, Prog, small  # noqa: E402
 
 RESULT["import_s"] = pc() - T_START

@@ -11,6 +11,7 @@ to ``--out`` (default benchmarks/out/) and prints the table. See benchmarks/READ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -107,10 +108,10 @@ class Runner:
         """
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = []
-        for spec in specs:
+        for given in specs:
             self.n += 1
-            tag = f"{self.n:04d}-{spec['task']}-{spec.get('variant')}"
-            spec = dict(spec, out=str(self.work / f"{tag}.json"))
+            tag = f"{self.n:04d}-{given['task']}-{given.get('variant')}"
+            spec = dict(given, out=str(self.work / f"{tag}.json"))
             env = spec.pop("_env")
             spec_path = self.work / f"{tag}.spec.json"
             spec_path.write_text(json.dumps(spec))
@@ -172,10 +173,8 @@ class Runner:
 
     @staticmethod
     def _kill_group(pgid: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _reap_orphans(self, groups: list[int], limit: float = 20.0) -> None:
         """Wait for descendants that outlived their parent (e.g. a helper process)."""
@@ -210,19 +209,16 @@ def describe(runner: Runner) -> dict[str, Any]:
     except OSError:
         info["cpu"] = platform.processor()
     info["cores"] = os.cpu_count()
-    try:
+    with contextlib.suppress(AttributeError):
         info["affinity"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        pass
     try:
         mem = Path("/proc/meminfo").read_text().split("\n")[0].split()[1]
         info["memory_gib"] = round(int(mem) / 2**20, 1)
     except (OSError, IndexError, ValueError):
         pass
     try:
-        osr = dict(
-            line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line
-        )
+        text = Path("/etc/os-release").read_text()
+        osr = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
         info["os"] = osr.get("PRETTY_NAME", "").strip('"')
     except OSError:
         pass
@@ -360,7 +356,8 @@ def measure_stall(runner: Runner, cases: list[str], reps: int) -> dict[str, Any]
 
 
 def measure_throughput(
-    runner: Runner, variants: list[str], programs: int, ranks: int, reps: int
+    runner: Runner, variants: list[str], programs: int, ranks: int, reps: int,
+    max_reps: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """``programs`` short-lived programs split over ``ranks`` concurrent processes."""
     res: dict[str, Any] = {v: [] for v in variants}
@@ -368,6 +365,8 @@ def measure_throughput(
     for rep in range(reps):
         order = variants[rep % len(variants):] + variants[: rep % len(variants)]
         for v in order:
+            if rep >= (max_reps or {}).get(v, reps):
+                continue
             specs = []
             for r in range(ranks):
                 spec: dict[str, Any] = {
@@ -389,6 +388,11 @@ def measure_throughput(
                 entries = programs
             one = {
                 "wall_s": max(r["wall_s"] for r in rs),
+                # in the slowest process: its own work, and end of work -> process exit
+                "work_s": max((r.get("work_s") or 0.0) for r in rs),
+                "exit_s": max(r["wall_s"] - (r.get("end_of_work_s") or r["wall_s"]) for r in rs),
+                "background_errors": sum(
+                    ((r.get("final") or {}).get("stats") or {}).get("errors", 0) for r in rs),
                 "group_wall_s": wall,
                 "cpu_s": rs[0]["group_cpu_s"],
                 "entries": entries,
@@ -431,10 +435,8 @@ def _vals(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], float | No
     for r in runs:
         if r.get("error"):
             continue
-        try:
+        with contextlib.suppress(KeyError, TypeError):
             out.append(get(r))
-        except (KeyError, TypeError):
-            pass
     return out
 
 
@@ -449,6 +451,10 @@ def _cell(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], Any], digi
     if errors:
         s += f" ({len(errors)}/{len(runs)} failed)"
     return s
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def _met(value: float | None, target: float) -> str:
@@ -562,7 +568,7 @@ def build_table(R: dict[str, Any], variants: list[str]) -> tuple[Table, dict[str
                "pyopencl": "— / " + w("pyopencl-thread-build", "tick", "window_s"),
                "acc-thread": "— / " + w("acc-thread-after-build", "tick", "window_s")})
 
-    for key, label in (("throughput_1", "1 process"), ("throughput_2", "ranks")):
+    for key in ("throughput_1", "throughput_2"):
         tp = R.get(key)
         if not tp:
             continue
@@ -574,8 +580,8 @@ def build_table(R: dict[str, Any], variants: list[str]) -> tuple[Table, dict[str
                 else f"{progs} programs, {ranks} concurrent processes (no idle core)")
         walls = {v: _median(_vals(tp[v], lambda r: r["wall_s"])) for v in tp}
         cpus = {v: _median(_vals(tp[v], lambda r: r["cpu_s"])) for v in tp}
-        ratio = walls["acc"] / walls["nocache"] if walls.get("acc") and walls.get("nocache") else None
-        cratio = cpus["acc"] / cpus["nocache"] if cpus.get("acc") and cpus.get("nocache") else None
+        ratio = _ratio(walls.get("acc"), walls.get("nocache"))
+        cratio = _ratio(cpus.get("acc"), cpus.get("nocache"))
         summary[f"{key}_wall_ratio"] = ratio
         summary[f"{key}_cpu_ratio"] = cratio
         n = max(len(x) for x in tp.values())
@@ -585,10 +591,46 @@ def build_table(R: dict[str, Any], variants: list[str]) -> tuple[Table, dict[str
         t.add(f"3 {what}: CPU user+sys, all processes [s]",
               {v: _cell(tp[v], lambda r: r["cpu_s"], 1) for v in tp},
               f"acc/no-cache {_num(cratio, 3)}")
+        t.add(f"3 {what}: of which: program work / end of work to exit [s]",
+              {v: _cell(tp[v], lambda r: r["work_s"], 1) + " / "
+               + _cell(tp[v], lambda r: r["exit_s"], 1) for v in tp})
         t.add(f"3 {what}: entries written by exit",
               {v: _cell(tp[v], lambda r: r["entries"], 0) + f" / {progs}"
                for v in tp if v != "nocache"})
     return t, summary
+
+
+def details_md(R: dict[str, Any]) -> str:
+    """Every repetition's value of the main rows, so the spread is visible."""
+    lines = []
+
+    def fmt(xs: list[Any]) -> str:
+        return ", ".join("fail" if x is None else f"{x:.3g}" for x in xs) or "—"
+
+    def get(r: dict[str, Any], key: str) -> float | None:
+        return None if r.get("error") else r.get(key)
+
+    for wl in ("seed", "multi"):
+        res = R.get(f"first_result_{wl}")
+        if not res:
+            continue
+        for v, d in res.items():
+            cold = fmt([get(r, "first_result_s") for r in d["cold"]])
+            warm = fmt([get(r, "first_result_s") for r in d["warm"]])
+            lines.append(f"- {wl} {HEAD[v]}: cold [{cold}] s; warm [{warm}] s")
+    st = R.get("stall") or {}
+    for name, probes in st.items():
+        for probe, runs in probes.items():
+            xs = [None if r.get("error") else (r.get("window") or {}).get("max_ms") for r in runs]
+            lines.append(f"- stall {name} {probe}: max [{fmt(xs)}] ms")
+    for key in ("throughput_1", "throughput_2"):
+        for v, runs in (R.get(key) or {}).items():
+            entries = ", ".join(str(r["entries"]) for r in runs)
+            errors = ", ".join(str(r.get("background_errors")) for r in runs)
+            lines.append(f"- {key} {HEAD[v]}: wall [{fmt([r['wall_s'] for r in runs])}] s, "
+                         f"cpu [{fmt([r['cpu_s'] for r in runs])}] s, entries [{entries}], "
+                         f"stats.errors at exit [{errors}]")
+    return "\n".join(lines)
 
 
 def write_report(out: Path, R: dict[str, Any], args: argparse.Namespace) -> str:
@@ -609,6 +651,10 @@ def write_report(out: Path, R: dict[str, Any], args: argparse.Namespace) -> str:
         "## Results",
         "",
         table.md(),
+        "",
+        "## Every repetition",
+        "",
+        details_md(R),
         "",
     ]
     text = "\n".join(md)
@@ -652,30 +698,32 @@ def main() -> int:
         R["machine"] = describe(runner)
         log(f"machine: {R['machine'].get('cpu')}, {R['machine'].get('cores')} cores, "
             f"{R['machine'].get('platform_version')}, pyopencl {R['machine'].get('pyopencl')}")
+        full = not args.quick
         if "seed" in only:
-            v = VARIANTS
+            v = VARIANTS if full else ["nocache", "pyopencl", "acc"]
             args.variants_used |= set(v)
             R["first_result_seed"] = measure_first_result(runner, "seed", v, reps, reps)
             write_report(out, R, args)
         if "multi" in only:
-            v = ["nocache", "pyopencl", "acc"] if args.quick else VARIANTS
+            v = VARIANTS if full else ["nocache", "pyopencl", "acc"]
             args.variants_used |= set(v)
             R["first_result_multi"] = measure_first_result(runner, "multi", v, reps, 1)
             write_report(out, R, args)
         if "stall" in only:
             cases = [c[0] for c in STALL_CASES]
-            if args.quick:
-                cases = ["idle", "acc-after-launch", "acc-after-build", "pyopencl-thread-build"]
+            if not full:
+                cases = ["acc-after-launch", "acc-after-build", "pyopencl-thread-build"]
             args.variants_used |= {c[1] for c in STALL_CASES if c[0] in cases}
-            R["stall"] = measure_stall(runner, cases, 1 if args.quick else min(reps, 2))
+            R["stall"] = measure_stall(runner, cases, min(reps, 2))
             write_report(out, R, args)
         if "throughput" in only:
-            v = ["nocache", "acc"] if args.quick else ["nocache", "pyopencl", "acc"]
+            v = ["nocache", "pyopencl", "acc"] if full else ["nocache", "acc"]
             args.variants_used |= set(v)
-            tp_reps = 1 if args.quick else min(reps, 2)
-            R["throughput_1"] = measure_throughput(runner, v, 200, 1, tp_reps)
+            tp_reps = min(reps, 2)
+            R["throughput_1"] = measure_throughput(runner, v, 200, 1, tp_reps, {"pyopencl": 1})
             write_report(out, R, args)
-            R["throughput_2"] = measure_throughput(runner, ["nocache", "acc"], 200, 2, tp_reps)
+            if full:
+                R["throughput_2"] = measure_throughput(runner, ["nocache", "acc"], 200, 2, tp_reps)
     finally:
         R["duration_s"] = time.perf_counter() - t_start
         if "machine" in R:

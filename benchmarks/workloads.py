@@ -77,8 +77,8 @@ def seed(n: int = 1000) -> list[Prog]:
 
 #: Sizes of the multi-program workload's kernels, cycled; a few large ones are
 #: placed explicitly (index -> N) so the mix is mostly small with some heavy programs.
-_MULTI_SIZES = (50, 60, 80, 100, 120, 150, 200, 70, 90)
-_MULTI_LARGE = {7: 600, 19: 400, 31: 300, 44: 300, 52: 250}
+_MULTI_SIZES = (50, 60, 80, 100, 50, 120, 70, 150, 60, 90)
+_MULTI_LARGE = {7: 600, 25: 300, 44: 200}
 
 
 def multi(programs: int = 20) -> list[Prog]:

@@ -7,180 +7,262 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from conftest import run_child
 
-from asyncclcache import __version__
+from asyncclcache import __version__, lifetime
 from asyncclcache.entry import Entry
 from asyncclcache.keys import FORMAT_VERSION
 from asyncclcache.ranks import RANK_ENV_VARS
 from asyncclcache.store import PublishResult, Store
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None
+        ) -> subprocess.CompletedProcess[str]:
     e = {k: v for k, v in os.environ.items() if k not in RANK_ENV_VARS}
     if env:
         e.update(env)
     return subprocess.run(
         [sys.executable, "-m", "asyncclcache", *args],
-        capture_output=True,
-        text=True,
-        env=e,
-        timeout=120,
-        check=False,
+        capture_output=True, text=True, env=e, timeout=120, check=False, input=stdin,
     )
 
 
-@pytest.fixture(autouse=True)
-def _not_under_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in RANK_ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
+def _json(r: subprocess.CompletedProcess[str]) -> dict:
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _publish(store: Store, i: int, size: int, device: str = "pthread-test") -> Entry:
+    key = hashlib.sha256(b"cli %d" % i).hexdigest()
+    entry = Entry(key, (b"x" * size,), {"devices": [{"device_name": device}], "kernels": [f"k{i}"],
+                                        "created": time.time()})
+    assert store.publish(entry) is PublishResult.WRITTEN
+    return entry
 
 
 @pytest.fixture
 def populated(cache_dir: Path) -> tuple[Path, int]:
     store = Store(cache_dir)
-    total = 0
     for i in range(3):
-        key = hashlib.sha256(b"cli %d" % i).hexdigest()
-        entry = Entry(key, (b"x" * (1000 * (i + 1)),), {"devices": [{"device_name": "d"}]})
-        assert store.publish(entry) is PublishResult.WRITTEN
-        total += store.path_for(key).stat().st_size
-    return cache_dir, total
+        _publish(store, i, 1000 * (i + 1))
+    return cache_dir, sum(e.size for e in store.entries())
 
 
-def test_version() -> None:
+def test_version_and_help() -> None:
     r = cli("--version")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == f"asyncclcache {__version__}"
-
-
-def test_help() -> None:
+    assert r.returncode == 0 and r.stdout.strip() == f"asyncclcache {__version__}"
     r = cli("--help")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("usage: asyncclcache")
-    assert "info" in r.stdout
+    assert r.returncode == 0 and r.stdout.startswith("usage: asyncclcache")
+    for command in ("info", "list", "verify", "prune", "clear", "stats", "bench"):
+        assert command in r.stdout
     assert "Exit codes" in r.stdout
-    assert r.stderr == ""
+    assert all(len(line) <= 80 for line in r.stdout.splitlines())
 
 
-def test_info_help() -> None:
-    r = cli("info", "--help")
-    assert r.returncode == 0, r.stderr
-    assert "--dir" in r.stdout
-    assert "--json" in r.stdout
+def test_python_dash_m_and_console_script_agree() -> None:
+    script = Path(sys.executable).with_name("asyncclcache")
+    if not script.exists():
+        pytest.skip("the console script is not installed in this environment")
+    r = subprocess.run([str(script), "--version"], capture_output=True, text=True, check=False)
+    assert r.stdout == cli("--version").stdout
 
 
-def test_no_command_is_a_usage_error() -> None:
-    r = cli()
+@pytest.mark.parametrize(
+    "args",
+    [[], ["bogus"], ["prune", "--max-size", "lots"], ["prune", "--older-than", "soon"],
+     ["list", "--no-such-flag"]],
+)
+def test_bad_arguments_exit_2(args: list[str], cache_dir: Path) -> None:
+    r = cli(*args, *(["--dir", str(cache_dir)] if args and args[0] != "bogus" else []))
     assert r.returncode == 2
-    assert "usage: asyncclcache" in r.stdout + r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_unknown_command_is_a_usage_error() -> None:
-    r = cli("frobnicate")
-    assert r.returncode == 2
-    assert "invalid choice" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_prune_without_a_bound_is_a_usage_error(populated: tuple[Path, int]) -> None:
+    r = cli("prune", "--dir", str(populated[0]))
+    assert r.returncode == 2 and "--max-size" in r.stderr
 
 
-def test_info_json_empty(cache_dir: Path) -> None:
-    r = cli("info", "--dir", str(cache_dir), "--json")
-    assert r.returncode == 0, r.stderr
-    info = json.loads(r.stdout)
+def test_info_on_empty_and_populated(cache_dir: Path, populated: tuple[Path, int]) -> None:
+    empty = _json(cli("info", "--dir", str(cache_dir.parent / "nothing-yet"), "--json"))
+    assert empty["exists"] is False and empty["entries"] == 0
+    assert not (cache_dir.parent / "nothing-yet").exists()  # the command creates nothing
+    info = _json(cli("info", "--dir", str(cache_dir), "--json"))
     assert info["directory"] == str(cache_dir / f"v{FORMAT_VERSION}")
-    assert info["entries"] == 0
-    assert info["bytes"] == 0
+    assert (info["entries"], info["bytes"]) == (3, populated[1])
+    assert info["devices_seen"] == {"pthread-test": 3}
     assert info["format_version"] == FORMAT_VERSION
-    assert info["asyncclcache"] == __version__
-    assert info["rank"] is None
-    assert info["rank_local"] is False
-    assert info["strategy"] == "auto"
-    assert info["max_size"] is None
     assert any(p["name"] == "Portable Computing Language" for p in info["platforms"])
-    assert r.stderr == ""
+    human = cli("info", "--dir", str(cache_dir))
+    assert human.returncode == 0
+    assert f"3  ({populated[1] / 1024:.1f}K)" in human.stdout
+    assert all(len(line) <= 80 for line in human.stdout.splitlines())
 
 
-def test_info_json_populated(populated: tuple[Path, int]) -> None:
-    cache_dir, total = populated
-    r = cli("info", "--dir", str(cache_dir), "--json")
-    assert r.returncode == 0, r.stderr
-    info = json.loads(r.stdout)
-    assert info["entries"] == 3
-    assert info["bytes"] == total
+def test_info_reads_the_environment(populated: tuple[Path, int]) -> None:
+    info = _json(cli("info", "--json", env={"ASYNCCLCACHE_DIR": str(populated[0]),
+                                            "ASYNCCLCACHE_MAX_SIZE": "2M"}))
+    assert info["entries"] == 3 and info["max_size"] == 2 << 20
 
 
-def test_info_json_reads_the_environment(populated: tuple[Path, int]) -> None:
-    cache_dir, _ = populated
-    r = cli(
-        "info",
-        "--json",
-        env={"ASYNCCLCACHE_DIR": str(cache_dir), "ASYNCCLCACHE_MAX_SIZE": "2M"},
-    )
-    assert r.returncode == 0, r.stderr
-    info = json.loads(r.stdout)
-    assert info["directory"] == str(cache_dir / f"v{FORMAT_VERSION}")
-    assert info["entries"] == 3
-    assert info["max_size"] == 2 << 20
-
-
-def test_info_json_rank_local(cache_dir: Path) -> None:
-    r = cli("info", "--dir", str(cache_dir), "--json", env={"PMI_RANK": "3"})
-    assert r.returncode == 0, r.stderr
-    info = json.loads(r.stdout)
-    assert info["rank"] == 3
-    assert info["rank_local"] is True
-    assert info["directory"] == str(cache_dir / f"v{FORMAT_VERSION}" / "rank-3")
-
-
-def _field(text: str, name: str) -> str:
-    for line in text.splitlines():
-        if line.strip().startswith(name):
-            return line.strip()[len(name) :].strip()
-    raise AssertionError(f"no {name!r} line in:\n{text}")
-
-
-def test_info_human_empty(cache_dir: Path) -> None:
-    r = cli("info", "--dir", str(cache_dir))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[0] == f"asyncclcache {__version__}"
-    assert _field(r.stdout, "directory") == str(cache_dir / f"v{FORMAT_VERSION}")
-    assert _field(r.stdout, "entries") == "0  (0B)"
-    assert _field(r.stdout, "format") == f"v{FORMAT_VERSION}"
-    assert _field(r.stdout, "max size") == "unlimited"
-    assert "Portable Computing Language" in _field(r.stdout, "platform")
-
-
-def test_info_human_populated(populated: tuple[Path, int]) -> None:
-    cache_dir, total = populated
-    r = cli("info", "--dir", str(cache_dir))
-    assert r.returncode == 0, r.stderr
-    entries = _field(r.stdout, "entries")
-    assert entries.startswith("3  (")
-    assert entries == f"3  ({total / 1024:.1f}K)"
-
-
-@pytest.mark.parametrize("as_json", [False, True])
-def test_info_on_a_regular_file(tmp_path: Path, as_json: bool) -> None:
-    f = tmp_path / "not-a-dir"
+@pytest.mark.parametrize("command", ["info", "list", "verify", "stats"])
+def test_regular_file_foreign_and_insecure_directories(command: str, tmp_path: Path) -> None:
+    f = tmp_path / "file"
     f.write_text("x")
-    r = cli("info", "--dir", str(f), *(["--json"] if as_json else []))
-    assert r.returncode == 2
-    assert r.stdout == ""
-    assert "Traceback" not in r.stderr
-    assert "cannot use cache directory" in r.stderr
-    assert str(f) in r.stderr
-    assert "not a directory" in r.stderr.lower()
-    assert f.read_text() == "x"
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    insecure = tmp_path / "insecure"
+    insecure.mkdir()
+    insecure.chmod(0o777)
+    for path, message in ((f, "not a directory"), (foreign, "not an asyncclcache cache"),
+                          (insecure, "writable by group or others")):
+        r = cli(command, "--dir", str(path))
+        assert r.returncode == 2, (path, r.stdout)
+        assert message in r.stderr and str(path) in r.stderr
+        assert "Traceback" not in r.stderr
+    assert os.listdir(insecure) == [] and os.listdir(foreign) == ["notes.txt"]
 
 
-def test_info_on_an_insecure_directory(cache_dir: Path) -> None:
-    cache_dir.mkdir()
-    cache_dir.chmod(0o777)
-    r = cli("info", "--dir", str(cache_dir))
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
-    assert "writable by group or others" in r.stderr
-    assert os.listdir(cache_dir) == []
+def test_list_filters_and_json(cache_dir: Path) -> None:
+    store = Store(cache_dir)
+    a = _publish(store, 1, 100, device="pthread-cpu")
+    _publish(store, 2, 100, device="NVIDIA H200")
+    rows = _json(cli("list", "--dir", str(cache_dir), "--json"))["entries"]
+    assert sorted(r["devices"][0] for r in rows) == ["NVIDIA H200", "pthread-cpu"]
+    assert set(rows[0]) == {"key", "kernels", "devices", "size", "created", "last_used", "rank", "path"}
+    only = _json(cli("list", "--dir", str(cache_dir), "--json", "--device", "pthread"))["entries"]
+    assert [r["key"] for r in only] == [a.key] and only[0]["kernels"] == ["k1"]
+    human = cli("list", "--dir", str(cache_dir))
+    assert human.returncode == 0 and a.key[:12] in human.stdout and "2 entries" in human.stdout
+    assert all(len(line) <= 80 for line in human.stdout.splitlines())
+
+
+def test_verify_finds_and_fixes_a_corrupted_entry(populated: tuple[Path, int]) -> None:
+    cache_dir = populated[0]
+    store = Store(cache_dir)
+    assert _json(cli("verify", "--dir", str(cache_dir), "--json"))["bad"] == []
+    victim = next(iter(store.entries()))
+    data = bytearray(victim.path.read_bytes())
+    data[40] ^= 0x01
+    victim.path.write_bytes(bytes(data))
+    orphan = victim.path.parent / ".tmp-999999999-x.partial"  # a writer that is long gone
+    orphan.write_bytes(b"half")
+    r = cli("verify", "--dir", str(cache_dir), "--json")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert [b["key"] for b in report["bad"]] == [victim.key] and "checksum" in report["bad"][0]["problem"]
+    assert report["orphaned_temp_files"] == [str(orphan)]
+    assert victim.path.exists()  # reporting is not fixing
+    fixed = cli("verify", "--dir", str(cache_dir), "--fix")
+    assert fixed.returncode == 1 and "removed" in fixed.stdout
+    assert not victim.path.exists() and not orphan.exists()
+    assert len(list(store.entries())) == 2
+    assert cli("verify", "--dir", str(cache_dir)).returncode == 0
+
+
+def test_prune_evicts_least_recently_used_first(cache_dir: Path) -> None:
+    store = Store(cache_dir)
+    entries = [_publish(store, i, 10_000) for i in range(4)]
+    now = time.time()
+    for age, e in zip((400, 300, 200, 100), entries):  # entries[0] is the least recently used
+        os.utime(store.path_for(e.key), (now - age, now - age))
+    store.touch(entries[0].key)  # ... until a hit uses it again
+    size = store.path_for(entries[0].key).stat().st_size
+    out = _json(cli("prune", "--dir", str(cache_dir), "--max-size", str(2 * size + 10), "--json"))
+    assert out["removed"] == 2 and out["remaining"] <= 2 * size + 10
+    left = {e.key for e in store.entries()}
+    assert left == {entries[0].key, entries[3].key}
+    out = _json(cli("prune", "--dir", str(cache_dir), "--older-than", "150s", "--json"))
+    assert out["removed"] == 0  # entries[0] was just used, entries[3] is 100 s old
+    out = _json(cli("prune", "--dir", str(cache_dir), "--older-than", "50", "--json"))
+    assert out["removed"] == 1 and {e.key for e in store.entries()} == {entries[0].key}
+
+
+def test_prune_under_the_cap_while_another_process_writes(cache_dir: Path) -> None:
+    writer = r"""
+import hashlib, sys, time
+from asyncclcache.entry import Entry
+from asyncclcache.store import Store
+store = Store(sys.argv[1])
+for i in range(300):
+    key = hashlib.sha256(b"w%d" % i).hexdigest()
+    store.publish(Entry(key, (b"w" * 20_000,), {"devices": [{}]}))
+print("done")
+"""
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(cache_dir)], stdout=subprocess.PIPE,
+                            text=True)
+    cap = 200_000
+    try:
+        while proc.poll() is None:
+            r = cli("prune", "--dir", str(cache_dir), "--max-size", str(cap), "--json")
+            assert r.returncode == 0, r.stderr
+        assert proc.stdout.read().strip() == "done"
+    finally:
+        proc.kill()
+    out = _json(cli("prune", "--dir", str(cache_dir), "--max-size", str(cap), "--json"))
+    assert out["remaining"] <= cap
+    report = _json(cli("verify", "--dir", str(cache_dir), "--json"))
+    assert report["bad"] == [] and report["checked"] >= 1
+
+
+def test_clear_asks_for_yes(populated: tuple[Path, int]) -> None:
+    cache_dir = populated[0]
+    r = cli("clear", "--dir", str(cache_dir), stdin="")
+    assert r.returncode == 2 and "--yes" in r.stderr
+    assert len(list(Store(cache_dir).entries())) == 3
+    assert _json(cli("clear", "--dir", str(cache_dir), "--yes", "--json")) == {"removed": 3}
+    assert list(Store(cache_dir).entries()) == []
+
+
+def test_stats_from_two_processes_add_up_and_reset(cache_dir: Path) -> None:
+    code = r"""
+import json, sys
+import asyncclcache as acc, pyopencl as cl
+from kernels import small_source
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    cache.program(ctx, small_source(salt=f"stats-{i}")).build()
+cache.flush(120)
+print(json.dumps(cache.stats().as_dict()))
+"""
+    a = json.loads(run_child(code, str(cache_dir), "2").stdout.splitlines()[-1])
+    b = json.loads(run_child(code, str(cache_dir), "3").stdout.splitlines()[-1])
+    assert (a["misses"], a["writes"]) == (2, 2)
+    assert (b["hits"], b["misses"], b["writes"]) == (2, 1, 1)
+    life = _json(cli("stats", "--dir", str(cache_dir), "--json"))
+    assert life["runs"] == 2
+    assert (life["hits"], life["misses"], life["writes"]) == (2, 3, 3)
+    assert life["bytes_written"] == a["bytes_written"] + b["bytes_written"]
+    assert life["seconds_saved"] > 0
+    info = _json(cli("info", "--dir", str(cache_dir), "--json"))
+    assert info["lifetime"]["hits"] == 2
+    reset = _json(cli("stats", "--dir", str(cache_dir), "--reset", "--json"))
+    assert all(v == 0 for v in reset.values())
+
+
+def test_concurrent_lifetime_updates_are_not_lost(tmp_path: Path) -> None:
+    code = r"""
+import sys
+from asyncclcache import lifetime
+for _ in range(50):
+    assert lifetime.add(sys.argv[1], {"hits": 1, "writes": 2}, timeout=30)
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)]) for _ in range(4)]
+    assert [p.wait(120) for p in procs] == [0] * 4
+    values = lifetime.read(tmp_path)
+    assert (values["hits"], values["writes"]) == (200, 400)
+
+
+def test_rank_directories_are_included(cache_dir: Path) -> None:
+    for rank in (0, 1):
+        _publish(Store(cache_dir, rank_local=True, rank=rank), rank, 100)
+    info = _json(cli("info", "--dir", str(cache_dir), "--json"))
+    assert info["entries"] == 2 and len(info["rank_directories"]) == 2
+    rows = _json(cli("list", "--dir", str(cache_dir), "--json"))["entries"]
+    assert sorted(r["rank"] for r in rows) == [0, 1]

@@ -22,7 +22,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from . import _version
-from .config import STRATEGIES, get_config
+from . import lifetime
+from .config import STRATEGIES, get_config, parse_size
 from .drivers import Driver, Job, auto_strategy
 from .entry import Entry
 from .errors import BackgroundError, ClosedError, WriteFailedWarning
@@ -60,6 +61,8 @@ class Stats:
     refreshes: int = 0  # entries rewritten because the program gained variants
     rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
     errors: int = 0  # background failures (logged)
+    evictions: int = 0  # entries removed to keep the directory under max_size
+    seconds_saved: float = 0.0  # estimated compile time that hits avoided
     main_thread_seconds: float = 0.0  # time the cache spent in callers' threads
 
     def line(self) -> str:
@@ -117,6 +120,9 @@ class Cache:
     :arg rank_local: one subdirectory per MPI rank (default: yes, under MPI).
     :arg strategy: ``auto``, ``process`` (pocl helper), ``thread`` or ``sync``.
     :arg workers: background writer threads.
+    :arg max_size: bound of the directory in bytes (or ``"500M"``); least recently used
+        entries are evicted by the background writer. Default ``ASYNCCLCACHE_MAX_SIZE``.
+    :arg exit_timeout: seconds :meth:`close` (and interpreter exit) waits for pending work.
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class Cache:
         rank_local: bool | None = None,
         strategy: str = "auto",
         workers: int = 1,
+        max_size: int | str | None = None,
         exit_timeout: float | None = None,
     ) -> None:
         cfg = get_config()
@@ -139,7 +146,10 @@ class Cache:
         self.disabled = cfg.disable
         self.failure_fatal = cfg.failure_fatal
         self.exit_timeout = cfg.exit_timeout if exit_timeout is None else exit_timeout
+        self.max_size = parse_size(max_size) if max_size is not None else cfg.max_size
         self.store = Store(directory, rank_local=rank_local)
+        self._size_estimate: int | None = None  # bytes on disk, scanned once, then tracked
+        self._saved_counts: dict[str, float] = {}  # what lifetime stats already hold
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._counts: dict[str, float] = {f.name: 0 for f in fields(Stats)}
@@ -212,6 +222,7 @@ class Cache:
                 self._idle.wait(remaining)
             done = self._pending == 0
             errors, self._errors = self._errors, []
+        self._save_lifetime()
         if errors and self.failure_fatal:
             raise BackgroundError(f"{len(errors)} background failure(s): {errors[0]!r}") from errors[0]
         return done
@@ -236,6 +247,7 @@ class Cache:
         for d in drivers:
             d.close(1.0)
         self._workers.stop(1.0)
+        self._save_lifetime()
         if not done:
             logger.info("asyncclcache: exit with %d jobs pending: dropped", self._pending)
         return done
@@ -304,11 +316,18 @@ class Cache:
                 self._memory_bytes -= old.nbytes
         self.store.remove(key)
 
-    def _record_build(self, hit: bool) -> None:
+    def _record_build(self, hit: bool, entry: Entry | None = None, seconds: float = 0.0) -> None:
         with self._lock:
             self._counts["hits" if hit else "misses"] += 1
+            if entry is not None:
+                compile_seconds = entry.meta.get("compile_seconds")
+                if isinstance(compile_seconds, (int, float)):
+                    self._counts["seconds_saved"] += max(0.0, compile_seconds - seconds)
             if self._steps:
                 self._steps[-1]._count(hit)
+        if entry is not None and self.store.enabled:
+            # LRU bookkeeping: a cheap utime, off the caller's thread.
+            self._workers.submit(lambda: self.store.touch(entry.key))
 
     def _driver(self, devices: Sequence[cl.Device]) -> Driver:
         name = self.strategy if self.strategy != "auto" else auto_strategy(devices)
@@ -338,6 +357,9 @@ class Cache:
         devices: Sequence[cl.Device],
         logs: list[str],
         looked_up_at: float,
+        *,
+        kernels: Sequence[str] = (),
+        build_seconds: float = 0.0,
     ) -> None:
         """A miss was built: retrieve and write its binaries later. Caller's thread; cheap.
 
@@ -348,7 +370,7 @@ class Cache:
             return
         driver = self._driver(devices)
         job = Job(info, source, info.options, devices, logs, created=looked_up_at)
-        job.extra["driver"] = driver
+        job.extra.update(driver=driver, kernels=list(kernels), build_seconds=build_seconds)
         if driver.needs_program:
             job.program = program  # keep it alive until its binaries are taken
         with self._lock:
@@ -460,6 +482,11 @@ class Cache:
                     "snapshot": purpose,
                     "strategy": job.extra["driver"].name,
                     "asyncclcache": _version.__version__,
+                    "kernels": job.extra.get("kernels", []),
+                    # What a hit saves: the source build plus one code generation (the
+                    # helper's warm-up measures one; the launch's costs about the same).
+                    "compile_seconds": job.extra.get("build_seconds", 0.0)
+                    + job.extra.get("warmup_seconds", 0.0),
                 },
             )
             try:
@@ -479,11 +506,45 @@ class Cache:
                     # The in-process program is no longer needed.
                     job.program = None
                 self._remember(entry)
+                self._keep_under_max_size(entry.nbytes)
             elif result is PublishResult.SKIPPED:
                 self._count("skipped")
         finally:
             self._release_claim(job)
             self._done(job)
+
+    def _keep_under_max_size(self, added: int) -> None:
+        # Writer thread only. A full scan once, then a running estimate; prune (a scan) only
+        # when the estimate says the bound is crossed.
+        if not self.max_size:
+            return
+        if self._size_estimate is None:
+            self._size_estimate = self.store.total_bytes()
+        else:
+            self._size_estimate += added
+        if self._size_estimate <= self.max_size:
+            return
+        result = self.store.prune(max_size=self.max_size)
+        if result.ran:
+            self._size_estimate = result.remaining
+            self._count("evictions", result.removed)
+
+    def _save_lifetime(self) -> None:
+        """Add what this process counted since the last save to the directory's lifetime
+        counters (bounded lock wait; a busy lock means: next time)."""
+        if not self.store.enabled:
+            return
+        with self._lock:
+            now = {k: v for k, v in self._counts.items() if k in lifetime.FIELDS}
+            deltas = {k: v - self._saved_counts.get(k, 0) for k, v in now.items()}
+            first = not self._saved_counts
+        if not any(deltas.values()):
+            return
+        if first:
+            deltas["runs"] = 1
+        if lifetime.add(self.store.root, deltas, timeout=1.0):
+            with self._lock:
+                self._saved_counts = now
 
     def _write_failed(self, job: Job, e: OSError) -> None:
         self._count("write_errors")

@@ -1,15 +1,20 @@
 """The ``asyncclcache`` command (also ``python -m asyncclcache``).
 
-Exit codes: 0 success, 1 a check failed (``verify`` found bad entries), 2 usage
-error or unusable directory.
+Commands: ``info``, ``list``, ``verify``, ``prune``, ``clear``, ``stats`` (and ``bench``).
+Every command takes ``--dir`` and ``--json``. Human output fits 80 columns; the JSON
+keys are stable. The command never creates a cache directory.
+
+Exit codes: 0 success; 1 ``verify`` found bad entries; 2 usage error, or a cache
+directory that is missing, foreign or unusable.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,13 @@ __all__ = ["main"]
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
+WIDTH = 80
+_AGE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_AGE_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class UsageError(Exception):
+    """Reported as ``asyncclcache: <message>`` with exit status 2."""
 
 
 def _human(n: float) -> str:
@@ -31,21 +43,99 @@ def _human(n: float) -> str:
     return f"{n}"
 
 
-def _open_store(args: argparse.Namespace) -> Any:
-    import warnings
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "-"
 
-    from .store import Store
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        store = Store(args.dir)
-    if not store.enabled:
-        msg = store.problem or "unusable"
-        print(f"asyncclcache: cannot use cache directory {store.root}: {msg}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    for w in caught:
-        print(f"asyncclcache: {w.message}", file=sys.stderr)
-    return store
+def parse_age(text: str) -> float:
+    """``30d``, ``12h``, ``45m``, ``10s`` or plain seconds."""
+    m = _AGE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected an age like 30d, 12h, 45m or 10s, got {text!r}")
+    return float(m.group(1)) * _AGE_UNIT[m.group(2)]
+
+
+def _size_arg(text: str) -> int:
+    from .config import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return size or 0
+
+
+# {{{ opening the directory
+
+def _stores(args: argparse.Namespace) -> list[Any]:
+    """The stores under the directory: the shared one and one per rank subdirectory.
+
+    A missing (or empty) directory is an empty cache; a regular file, a directory of
+    something else, or one that is not safe to load native code from is a usage error.
+    """
+    from .keys import FORMAT_VERSION
+    from .store import Store, _insecure
+
+    base = _base(args)
+    version_dir = base / f"v{FORMAT_VERSION}"
+    if base.exists():
+        if not base.is_dir():
+            raise UsageError(f"cannot use cache directory {base}: not a directory")
+        why = _insecure(base.stat())
+        if why is not None:
+            raise UsageError(f"cannot use cache directory {base}: it is {why}")
+        if not version_dir.is_dir() and any(base.iterdir()):
+            raise UsageError(f"{base} is not an asyncclcache cache (no v{FORMAT_VERSION}/ inside)")
+    if not version_dir.is_dir():
+        return []
+    stores = [Store(base, rank_local=False, create=False)]
+    for rank_dir in sorted(version_dir.glob("rank-*")):
+        suffix = rank_dir.name[len("rank-") :]
+        if suffix.isdigit() and rank_dir.is_dir():
+            stores.append(Store(base, rank_local=True, rank=int(suffix), create=False))
+    for s in stores:
+        if not s.enabled:
+            raise UsageError(f"cannot use cache directory {s.root}: {s.problem}")
+    return stores
+
+
+def _base(args: argparse.Namespace) -> Path:
+    from .config import get_config
+    from .store import default_directory
+
+    return Path(args.dir or get_config().directory or default_directory()).expanduser()
+
+
+def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any]]:
+    rows = []
+    for s in stores:
+        for e in s.entries():
+            meta = s.read_meta(e.path) or {}
+            devices = [d.get("device_name", "?") for d in meta.get("devices", []) if isinstance(d, dict)]
+            if device and not any(device.lower() in d.lower() for d in devices):
+                continue
+            rows.append({
+                "key": e.key,
+                "kernels": meta.get("kernels", []),
+                "devices": devices,
+                "size": e.size,
+                "created": meta.get("created"),
+                "last_used": max(e.atime, e.mtime),
+                "rank": s.rank if s.rank_local else None,
+                "path": str(e.path),
+            })
+    rows.sort(key=lambda r: r["last_used"], reverse=True)
+    return rows
+
+
+def _emit(args: argparse.Namespace, data: Any, human: list[str]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        for line in human:
+            print(line[:WIDTH])
+
+# }}}
 
 
 def _opencl_versions() -> dict[str, Any]:
@@ -63,44 +153,173 @@ def _opencl_versions() -> dict[str, Any]:
     return out
 
 
+def _lifetime(stores: list[Any]) -> dict[str, float]:
+    from . import lifetime
+
+    total: dict[str, float] = dict.fromkeys(lifetime.FIELDS, 0)
+    for s in stores:
+        for k, v in lifetime.read(s.root).items():
+            total[k] += v
+    return total
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from .config import get_config
     from .keys import FORMAT_VERSION
 
-    store = _open_store(args)
-    entries = list(store.entries())
+    stores = _stores(args)
+    rows = _listing(stores)
     cfg = get_config()
     devices: dict[str, int] = {}
+    for r in rows:
+        for d in r["devices"]:
+            devices[d] = devices.get(d, 0) + 1
+    life = _lifetime(stores)
     info: dict[str, Any] = {
-        "directory": str(store.root),
-        "rank_local": store.rank_local,
-        "rank": store.rank,
+        "directory": str(_base(args) / f"v{FORMAT_VERSION}"),
+        "exists": bool(stores),
+        "rank_directories": [str(s.root) for s in stores if s.rank_local],
         "format_version": FORMAT_VERSION,
-        "entries": len(entries),
-        "bytes": sum(e.size for e in entries),
+        "entries": len(rows),
+        "bytes": sum(r["size"] for r in rows),
         "max_size": cfg.max_size,
         "strategy": cfg.strategy,
         "asyncclcache": __version__,
         "devices_seen": devices,
+        "lifetime": life,
     }
     info.update(_opencl_versions())
-    if args.json:
-        print(json.dumps(info, indent=2, sort_keys=True))
-        return EXIT_OK
-    print(f"asyncclcache {__version__}")
-    print(f"  directory      {info['directory']}" + ("  (rank-local)" if store.rank_local else ""))
-    print(f"  format         v{FORMAT_VERSION}")
-    print(f"  entries        {info['entries']}  ({_human(info['bytes'])})")
-    print(f"  max size       {_human(cfg.max_size) if cfg.max_size else 'unlimited'}")
-    print(f"  strategy       {cfg.strategy}")
+    human = [
+        f"asyncclcache {__version__}",
+        f"  directory      {info['directory']}" + ("" if stores else "  (not created yet)"),
+    ]
+    if info["rank_directories"]:
+        human.append(f"  rank-local     {len(info['rank_directories'])} rank directories")
+    human += [
+        f"  format         v{FORMAT_VERSION}",
+        f"  entries        {info['entries']}  ({_human(info['bytes'])})",
+        f"  max size       {_human(cfg.max_size) if cfg.max_size else 'unlimited'}",
+        f"  strategy       {cfg.strategy}",
+    ]
+    for name, n in sorted(devices.items()):
+        human.append(f"  device seen    {name} ({n} entries)")
     if "pyopencl" in info:
-        print(f"  pyopencl       {info['pyopencl']}")
+        human.append(f"  pyopencl       {info['pyopencl']}")
     for p in info.get("platforms", []):
-        print(f"  platform       {p['name']} ({p['version']})"[:80])
-        for d in p["devices"]:
-            print(f"    device       {d}"[:80])
+        human.append(f"  platform       {p['name']}: {p['version']}")
     if "opencl_error" in info:
-        print(f"  OpenCL         unavailable: {info['opencl_error']}"[:80])
+        human.append(f"  OpenCL         unavailable: {info['opencl_error']}")
+    human.append(
+        f"  lifetime       {life['hits']:.0f} hits, {life['misses']:.0f} misses, "
+        f"{life['writes']:.0f} writes, {life['errors']:.0f} errors, "
+        f"{life['seconds_saved']:.1f} s saved"
+    )
+    _emit(args, info, human)
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = _listing(_stores(args), args.device)
+    human = [f"{'KEY':12s} {'SIZE':>7s} {'CREATED':16s} {'LAST USED':16s} KERNELS @ DEVICE"]
+    for r in rows:
+        what = f"{','.join(r['kernels']) or '?'} @ {','.join(r['devices'])}"
+        human.append(
+            f"{r['key'][:12]} {_human(r['size']):>7s} {_when(r['created']):16s} "
+            f"{_when(r['last_used']):16s} {what}"
+        )
+    human.append(f"{len(rows)} entries, {_human(sum(r['size'] for r in rows))}")
+    _emit(args, {"entries": rows}, human)
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    stores = _stores(args)
+    checked = 0
+    bad: list[dict[str, str]] = []
+    temps: list[str] = []
+    locks: list[str] = []
+    for s in stores:
+        checked += sum(1 for _ in s.entries())
+        for e, problem in s.verify(fix=args.fix):
+            bad.append({"key": e.key, "path": str(e.path), "problem": problem})
+        t, lk = s.orphans()
+        temps += [str(p) for p in t]
+        locks += [str(p) for p in lk]
+        if args.fix:
+            s.sweep()
+    human = [f"checked {checked} entries: {len(bad)} bad" + (" (removed)" if args.fix and bad else "")]
+    human += [f"  bad  {b['key'][:12]}  {b['problem']}" for b in bad]
+    if temps or locks:
+        verb = "removed" if args.fix else "found"
+        human.append(f"{verb} {len(temps)} orphaned temp files, {len(locks)} orphaned lock files")
+        human += [f"  orphan  {p}" for p in temps + locks]
+    _emit(args, {"checked": checked, "bad": bad, "fixed": bool(args.fix),
+                 "orphaned_temp_files": temps, "orphaned_lock_files": locks}, human)
+    return EXIT_CHECK_FAILED if bad else EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from .config import get_config
+
+    max_size = args.max_size if args.max_size is not None else get_config().max_size
+    if max_size is None and args.older_than is None:
+        raise UsageError("prune needs --max-size or --older-than (or ASYNCCLCACHE_MAX_SIZE)")
+    stores = _stores(args)
+    removed = freed = remaining = 0
+    busy = False
+    for s in stores:
+        # The bound applies to each directory that a process fills (each rank's, say).
+        r = s.prune(max_size=max_size, older_than=args.older_than)
+        busy = busy or not r.ran
+        removed += r.removed
+        freed += r.freed
+        remaining += r.remaining if r.ran else s.total_bytes()
+    human = [f"removed {removed} entries ({_human(freed)}); {_human(remaining)} remain"]
+    if busy:
+        human.append("another process was pruning part of the cache: skipped it")
+    _emit(args, {"removed": removed, "freed": freed, "remaining": remaining, "busy": busy}, human)
+    return EXIT_OK
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    stores = _stores(args)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UsageError("clear removes every entry: pass --yes")
+        answer = input(f"remove every entry under {_base(args)}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing removed")
+            return EXIT_OK
+    removed = sum(s.clear() for s in stores)
+    _emit(args, {"removed": removed}, [f"removed {removed} entries"])
+    return EXIT_OK
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from . import lifetime
+
+    stores = _stores(args)
+    if args.reset:
+        for s in stores:
+            lifetime.reset(s.root)
+    life = _lifetime(stores)
+    human = [f"lifetime stats of {_base(args)}" + (" (reset)" if args.reset else "")]
+    for k in lifetime.FIELDS:
+        v = life[k]
+        shown = f"{v:.1f} s" if k == "seconds_saved" else (_human(v) if k == "bytes_written" else f"{v:.0f}")
+        human.append(f"  {k:16s} {shown}")
+    _emit(args, life, human)
+    return EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    root = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
+    if not root.exists():
+        raise UsageError("the benchmarks ship with the source tree: run from a checkout")
+    import runpy
+
+    sys.argv = [str(root), *(["--quick"] if args.quick else []), *(["--out", str(args.out)] if args.out else [])]
+    runpy.run_path(str(root), run_name="__main__")
     return EXIT_OK
 
 
@@ -109,20 +328,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncclcache",
         description="Inspect and maintain the asyncclcache binary cache.",
-        epilog="Exit codes: 0 ok, 1 check failed, 2 usage error or unusable directory.",
+        epilog="Exit codes: 0 ok, 1 verify found bad entries, 2 usage error or a missing, "
+        "foreign or unusable cache directory.",
     )
     parser.add_argument("--version", action="version", version=f"asyncclcache {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--dir",
         type=Path,
-        default=os.environ.get("ASYNCCLCACHE_DIR") or None,
+        default=None,
         help="cache directory (default: $ASYNCCLCACHE_DIR or the user cache directory)",
     )
-    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("info", parents=[common], help="directory, entries, versions, limits")
+
+    p = sub.add_parser("info", parents=[common], help="directory, entries, versions, limits, stats")
     p.set_defaults(func=cmd_info)
+    p = sub.add_parser("list", parents=[common], help="one line per entry")
+    p.add_argument("--device", help="only entries for devices whose name contains this")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("verify", parents=[common], help="check every entry; exit 1 if any is bad")
+    p.add_argument("--fix", action="store_true", help="remove bad entries and orphaned files")
+    p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("prune", parents=[common], help="evict least recently used entries")
+    p.add_argument("--max-size", type=_size_arg, help="keep at most this much, e.g. 500M")
+    p.add_argument("--older-than", type=parse_age, help="evict entries unused this long, e.g. 30d")
+    p.set_defaults(func=cmd_prune)
+    p = sub.add_parser("clear", parents=[common], help="remove every entry")
+    p.add_argument("--yes", action="store_true", help="do not ask")
+    p.set_defaults(func=cmd_clear)
+    p = sub.add_parser("stats", parents=[common], help="lifetime counters of the directory")
+    p.add_argument("--reset", action="store_true", help="zero them")
+    p.set_defaults(func=cmd_stats)
+    p = sub.add_parser("bench", help="run the benchmarks (from a source checkout)")
+    p.add_argument("--quick", action="store_true", help="a short run (a few minutes)")
+    p.add_argument("--out", type=Path, help="where to write report.md and report.json")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -133,4 +374,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"asyncclcache: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:
+        print(f"asyncclcache: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)
+        return EXIT_USAGE

@@ -21,11 +21,11 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from .keys import FORMAT_VERSION
 
-__all__ = ["MAGIC", "Entry", "EntryFormatError", "decode", "encode"]
+__all__ = ["MAGIC", "Entry", "EntryFormatError", "decode", "encode", "read_meta"]
 
 MAGIC = b"ACLCACHE"
 _HEADER = struct.Struct("<8sHHI")
@@ -99,3 +99,21 @@ def decode(data: bytes) -> Entry:
         binaries.append(bytes(view[start : start + s]))
         start += s
     return Entry(meta["key"], tuple(binaries), meta)
+
+
+def read_meta(f: IO[bytes]) -> dict[str, Any]:
+    """The metadata of the entry in ``f``, without reading the binaries or verifying the
+    checksum (for listings; use :func:`decode` before trusting anything)."""
+    header = f.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EntryFormatError("truncated")
+    magic, version, _flags, meta_len = _HEADER.unpack(header)
+    if magic != MAGIC or version != FORMAT_VERSION or meta_len > _MAX_META:
+        raise EntryFormatError("not an asyncclcache entry of this version")
+    try:
+        meta = json.loads(f.read(meta_len).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EntryFormatError(f"bad metadata: {e}") from None
+    if not isinstance(meta, dict):
+        raise EntryFormatError("bad metadata")
+    return meta

@@ -86,7 +86,7 @@ def cached_build(
             cache._forget(info.key)
         else:
             prg._prg = built
-            cache._record_build(hit=True)
+            cache._record_build(hit=True, entry=entry, seconds=time.perf_counter() - t0)
             _replay_logs(entry.meta.get("build_logs") or [], devs)
             descr, duration = "cache retrieval", time.perf_counter() - t0
 
@@ -100,13 +100,24 @@ def cached_build(
         t1 = time.perf_counter()
         cache._record_build(hit=False)
         logs = [log or "" for _dev, log in new._get_build_logs()] if _has_logs(new) else []
-        cache._schedule(new, info, source_bytes, devs, logs, looked_up_at)
+        cache._schedule(
+            new, info, source_bytes, devs, logs, looked_up_at,
+            kernels=_kernel_names(new), build_seconds=duration,
+        )
         overhead += time.perf_counter() - t1
         descr = "source build (binary retrieved in the background)"
 
     cache._count("main_thread_seconds", overhead)
     prg._build_duration_info = (descr, entry is not None and built is not None, duration)
     return prg
+
+
+def _kernel_names(prg: Any) -> list[str]:
+    try:
+        names = prg.get_info(cl.program_info.KERNEL_NAMES)
+    except cl.Error:
+        return []
+    return sorted(n for n in names.split(";") if n)
 
 
 def _has_logs(prg: Any) -> bool:

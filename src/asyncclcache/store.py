@@ -39,12 +39,12 @@ from typing import Any
 
 import filelock
 
-from .entry import Entry, EntryFormatError, decode, encode
+from .entry import Entry, EntryFormatError, decode, encode, read_meta
 from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
 from .keys import FORMAT_VERSION
 from .ranks import detect_rank
 
-__all__ = ["ENTRY_SUFFIX", "Claim", "PublishResult", "Store", "StoredEntry", "default_directory"]
+__all__ = ["ENTRY_SUFFIX", "Claim", "PruneResult", "PublishResult", "Store", "StoredEntry", "default_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ ENTRY_SUFFIX = ".acl"
 LOCK_SUFFIX = ".lock"
 TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".partial"
+PRUNE_LOCK = "prune.lock"
 #: A temp file whose writer is gone, or older than this, is swept.
 TEMP_MAX_AGE = 3600.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -65,6 +66,20 @@ def default_directory() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("asyncclcache"))
+
+
+@dataclass
+class PruneResult:
+    """What :meth:`Store.prune` did."""
+
+    ran: bool = False  # False: another process was pruning, or the store is unusable
+    removed: int = 0
+    freed: int = 0
+    remaining: int = 0
+
+
+def _nofollow_opener(path: str, flags: int) -> int:
+    return os.open(path, flags | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
 
 
 class PublishResult(enum.Enum):
@@ -118,14 +133,18 @@ class Store:
         directory: str | os.PathLike[str] | None = None,
         *,
         rank_local: bool | None = None,
+        rank: int | None = None,
+        create: bool = True,
     ) -> None:
+        """``rank`` overrides MPI detection; ``create=False`` (the command line) never makes
+        directories: a missing cache is reported in ``problem`` without a warning."""
         from .config import get_config
 
         cfg = get_config()
         base = Path(directory or cfg.directory or default_directory()).expanduser()
         if rank_local is None:
             rank_local = cfg.rank_local if cfg.rank_local is not None else True
-        self.rank = detect_rank()
+        self.rank = detect_rank() if rank is None else rank
         self.rank_local = bool(rank_local and self.rank is not None)
         root = base / f"v{FORMAT_VERSION}"
         if self.rank_local:
@@ -133,7 +152,17 @@ class Store:
         self.base = base
         self.root = root
         self.problem: str | None = None
-        self._open()
+        self.missing = False
+        if create:
+            self._open()
+        elif not self.root.is_dir():
+            self.missing = True
+            self.problem = "no asyncclcache cache here"
+        else:
+            try:
+                self._make_dirs()
+            except OSError as e:
+                self.problem = str(e) if isinstance(e, _Insecure) else f"{e.strerror or e}"
 
     # {{{ directories
 
@@ -445,6 +474,118 @@ class Store:
                     finally:
                         lock.release()
         return temps, locks
+
+    def touch(self, key: str) -> None:
+        """Mark ``key`` as just used (its atime), without rewriting it. Never raises."""
+        path = self.path_for(key)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                os.utime(path, ns=(time.time_ns(), st.st_mtime_ns), follow_symlinks=False)
+
+    def total_bytes(self) -> int:
+        """Bytes of all entry files."""
+        return sum(e.size for e in self.entries())
+
+    def read_meta(self, path: Path) -> dict[str, Any] | None:
+        """An entry's metadata, read without the binaries and not verified (for listings)."""
+        try:
+            with open(path, "rb", opener=_nofollow_opener) as f:
+                return read_meta(f)
+        except (OSError, EntryFormatError):
+            return None
+
+    def verify(self, *, fix: bool = False) -> list[tuple[StoredEntry, str]]:
+        """Fully check every entry (format, checksum, key); returns ``(entry, problem)`` for
+        the bad ones, removed when ``fix``. Safe while others read and write."""
+        bad: list[tuple[StoredEntry, str]] = []
+        for e in self.entries():
+            problem = self._check(e)
+            if problem is None:
+                continue
+            bad.append((e, problem))
+            if fix:
+                self._remove_if_same(e.path, None)
+        return bad
+
+    def _check(self, e: StoredEntry) -> str | None:
+        try:
+            fd = os.open(e.path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
+        except FileNotFoundError:
+            return None  # replaced or removed meanwhile
+        except OSError as err:
+            return f"cannot be read ({err.strerror})"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return "not a regular file"
+            why = _insecure(st)
+            if why is not None:
+                return why
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        try:
+            entry = decode(data)
+        except EntryFormatError as err:
+            return str(err)
+        if entry.key != e.key:
+            return "holds another key"
+        if len(entry.binaries) != len(entry.meta.get("devices", ())):
+            return "binary count does not match its devices"
+        return None
+
+    def prune(self, *, max_size: int | None = None, older_than: float | None = None) -> PruneResult:
+        """Evict least recently used entries until the total is at most ``max_size`` bytes,
+        and every entry unused for ``older_than`` seconds.
+
+        Safe while other processes read and write: an entry disappears atomically, and a
+        second evictor that finds the prune lock held returns at once (``ran=False``).
+        """
+        result = PruneResult()
+        if not self.enabled:
+            return result
+        lock = filelock.FileLock(str(self.root / PRUNE_LOCK), timeout=0, mode=0o600)
+        try:
+            lock.acquire()
+        except (filelock.Timeout, OSError):
+            return result
+        try:
+            result.ran = True
+            entries = sorted(self.entries(), key=lambda e: max(e.atime, e.mtime))
+            total = sum(e.size for e in entries)
+            cutoff = None if older_than is None else time.time() - older_than
+            for e in entries:
+                too_old = cutoff is not None and max(e.atime, e.mtime) < cutoff
+                too_big = max_size is not None and total > max_size
+                if not (too_old or too_big):
+                    continue
+                try:
+                    os.unlink(e.path)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                total -= e.size
+                result.removed += 1
+                result.freed += e.size
+            result.remaining = total
+        finally:
+            lock.release()
+        if result.removed:
+            logger.info("pruned %d entries (%d bytes) in %s", result.removed, result.freed, self.root)
+        return result
+
+    def clear(self) -> int:
+        """Remove every entry (and orphaned temp and lock files); returns the entry count."""
+        n = 0
+        for e in self.entries():
+            with contextlib.suppress(OSError):
+                os.unlink(e.path)
+                n += 1
+        self.sweep()
+        return n
 
     def sweep(self) -> int:
         """Remove orphaned temp and lock files; returns how many. Safe to run anytime."""

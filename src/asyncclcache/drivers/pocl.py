@@ -118,6 +118,8 @@ class HelperDriver(Driver):
             raise HelperError(f"helper process died (exit status {rc}): {e}") from None
         if not header.get("ok"):
             raise HelperError(f"helper could not build {job.key[:12]}: {header.get('error')}")
+        # The first request's time is the warm-up: about one code generation.
+        job.extra.setdefault("warmup_seconds", float(header.get("seconds", 0.0)))
         return payloads
 
     def _stop_proc(self, timeout: float = 2.0) -> None:

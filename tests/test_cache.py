@@ -1,0 +1,72 @@
+"""Cache-level bookkeeping on real pocl: the size bound, last-used times, lifetime stats."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kernels import run_twice, small_source
+
+import asyncclcache as acc
+from asyncclcache import lifetime
+from asyncclcache.store import Store
+
+
+def test_max_size_evicts_least_recently_used_in_background(cl_ctx, cache_dir):
+    probe = acc.Cache(cache_dir / "probe")
+    probe.program(cl_ctx, small_source()).build()
+    assert probe.flush(120)
+    one = Store(cache_dir / "probe").total_bytes()
+    probe.close()
+
+    cache = acc.Cache(cache_dir, max_size=int(2.5 * one))
+    prgs = []
+    for _ in range(5):
+        prgs.append(cache.program(cl_ctx, small_source()).build())
+        assert cache.flush(120)  # one at a time, so "least recently used" is well defined
+    store = Store(cache_dir)
+    assert store.total_bytes() <= 2.5 * one
+    assert cache.stats().evictions == 3
+    left = {e.key for e in store.entries()}
+    assert left == {prgs[3].cache_key, prgs[4].cache_key}
+    assert all(run_twice(cl_ctx, p) for p in prgs)  # evicting never touches live programs
+    cache.close()
+
+
+def test_max_size_accepts_suffixes_and_environment(cache_dir):
+    assert acc.Cache(cache_dir, max_size="2M").max_size == 2 << 20
+    assert acc.Cache(cache_dir).max_size is None
+
+
+def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir):
+    src = small_source()
+    cache = acc.Cache(cache_dir)
+    prg = cache.program(cl_ctx, src).build()
+    assert cache.flush(120)
+    cache.close()
+    path = Store(cache_dir).path_for(prg.cache_key)
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    before = path.stat()
+
+    again = acc.Cache(cache_dir)
+    again.program(cl_ctx, src).build()
+    assert again.flush(60)
+    after = path.stat()
+    assert after.st_ino == before.st_ino and after.st_mtime == before.st_mtime  # not rewritten
+    assert after.st_atime > before.st_atime + 3000
+    again.close()
+
+
+def test_lifetime_stats_saved_at_flush_and_close(cl_ctx, cache_dir):
+    cache = acc.Cache(cache_dir)
+    cache.program(cl_ctx, small_source()).build()
+    assert cache.flush(120)
+    saved = lifetime.read(cache.directory)
+    assert (saved["runs"], saved["misses"], saved["writes"]) == (1, 1, 1)
+    assert cache.flush(10)  # nothing new: nothing added twice
+    assert lifetime.read(cache.directory)["misses"] == 1
+    cache.program(cl_ctx, small_source()).build()
+    cache.close()
+    saved = lifetime.read(cache.directory)
+    assert (saved["runs"], saved["misses"]) == (1, 2)
