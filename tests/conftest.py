@@ -25,6 +25,7 @@ for _var in list(os.environ):
 os.environ["ASYNCCLCACHE_DIR"] = tempfile.mkdtemp(prefix="acc-test-default-")
 
 import pytest  # noqa: E402
+
 from kernels import run_twice, seed_source, small_source  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import time
 
-from kernels import run_twice, small_source
-
 import asyncclcache as acc
 from asyncclcache import lifetime
 from asyncclcache.store import Store
+from kernels import run_twice, small_source
 
 
 def test_max_size_evicts_least_recently_used_in_background(cl_ctx, cache_dir):

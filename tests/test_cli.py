@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_child
 
 from asyncclcache import __version__, lifetime
 from asyncclcache.entry import Entry
 from asyncclcache.keys import FORMAT_VERSION
 from asyncclcache.ranks import RANK_ENV_VARS
 from asyncclcache.store import PublishResult, Store
+from conftest import run_child
 
 
 def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None
@@ -169,7 +169,7 @@ def test_prune_evicts_least_recently_used_first(cache_dir: Path) -> None:
     store = Store(cache_dir)
     entries = [_publish(store, i, 10_000) for i in range(4)]
     now = time.time()
-    for age, e in zip((400, 300, 200, 100), entries):  # entries[0] is the least recently used
+    for age, e in zip((400, 300, 200, 100), entries, strict=True):  # entries[0] is the least recently used
         os.utime(store.path_for(e.key), (now - age, now - age))
     store.touch(entries[0].key)  # ... until a hit uses it again
     size = store.path_for(entries[0].key).stat().st_size

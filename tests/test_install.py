@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pyopencl as cl
 import pytest
-from conftest import child_json, run_child
 
 import asyncclcache as acc
+from conftest import child_json, run_child
 
 # A representative set of pyopencl calls; prints a JSON record of results and errors.
 WORKLOAD = r"""

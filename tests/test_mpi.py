@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_json, run_child
 
 from asyncclcache.store import Store
+from conftest import ROOT, child_json, run_child
 
 RANK_RUN = r"""
 import json, os, sys

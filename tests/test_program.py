@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pyopencl as cl
 import pytest
-from conftest import child_json, run_child
-from kernels import run_twice, small_source
 
 import asyncclcache as acc
 from asyncclcache.store import Store
+from conftest import child_json, run_child
+from kernels import run_twice, small_source
 
 
 def test_behaves_like_pyopencl_program(cl_ctx, cache_dir):
@@ -220,7 +220,7 @@ def test_concurrent_builds_from_four_threads(cl_ctx, cache_dir):
             for src in (sources[i], shared):
                 prg = cache.program(cl_ctx, src).build()
                 results.append(run_twice(cl_ctx, prg))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]

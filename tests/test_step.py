@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import child_json, run_child
-from kernels import run_twice, small_source
 
 import asyncclcache as acc
 from asyncclcache.store import Store
+from conftest import child_json, run_child
+from kernels import run_twice, small_source
 
 # Launch with a non-default local size; report timings and pocl's variants on disk.
 STEP_RUN = r"""

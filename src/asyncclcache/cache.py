@@ -21,12 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from . import _version
-from . import lifetime
+from . import _version, lifetime
 from .config import STRATEGIES, get_config, parse_size
 from .drivers import Driver, Job, auto_strategy
 from .entry import Entry
-from .errors import BackgroundError, ClosedError, WriteFailedWarning
+from .errors import BackgroundError, WriteFailedWarning
 from .store import PublishResult, Store
 from .workers import Workers
 
@@ -199,7 +198,7 @@ class Cache:
             mine = np.array([counts[n] for n in names], dtype=np.float64)
             total = np.empty_like(mine)
             comm.Allreduce(mine, total, op=MPI.SUM)
-            counts = dict(zip(names, total.tolist()))
+            counts = dict(zip(names, total.tolist(), strict=True))
         ints = {f.name for f in fields(Stats) if f.type in ("int", int)}
         return Stats(**{k: (int(v) if k in ints else float(v)) for k, v in counts.items()})
 
@@ -614,5 +613,5 @@ def _close_all() -> None:
     for cache in list(_CACHES):
         try:
             cache.close()
-        except Exception:  # noqa: BLE001 - never fail interpreter exit
+        except Exception:
             logger.exception("asyncclcache: error at exit")

@@ -131,7 +131,7 @@ def _replay_logs(logs: list[str], devices: Sequence[cl.Device]) -> None:
     # As pyopencl does for its own cache hits: the warnings of the original build.
     message = (75 * "=" + "\n").join(
         f"Build on {dev} succeeded, but said:\n\n{log}"
-        for dev, log in zip(devices, logs)
+        for dev, log in zip(devices, logs, strict=False)
         if log and log.strip()
     )
     if message:
@@ -244,7 +244,6 @@ def is_installed() -> bool:
 @contextmanager
 def installed(cache: Cache | None = None) -> Iterator[Cache | None]:
     """``install(cache)`` for the block; restores the previous state after it."""
-    global _installed_cache
     with _install_lock:
         previous = _installed_cache if is_installed() else None
     install(cache)

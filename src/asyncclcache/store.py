@@ -197,10 +197,8 @@ class Store:
     @staticmethod
     def _make_dir(path: Path, *, follow: bool = False) -> None:
         # Only the user-given base may be a link (a cache on another disk); ours never are.
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
         st = os.stat(path) if follow else os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
             raise _Insecure(f"{path} is a symbolic link")
@@ -624,5 +622,5 @@ class Claim:
             self._lock.release()
 
 
-class _Insecure(PermissionError):  # noqa: N818 - an OSError to callers of publish()
+class _Insecure(PermissionError):
     pass

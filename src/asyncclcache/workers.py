@@ -49,11 +49,11 @@ class Workers:
                 return
             try:
                 fn()  # type: ignore[operator]
-            except BaseException as e:  # noqa: BLE001 - background: report, never raise
+            except BaseException as e:
                 logger.exception("background task failed")
                 try:
                     self._on_error(e)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.exception("error handler failed")
 
     def stop(self, timeout: float | None = None) -> None:

@@ -45,7 +45,8 @@ class HelperDriver(Driver):
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._closed = False
-        self.starts = 0
+        self.starts = 0  # helpers that said hello
+        self.attempts = 0  # spawns tried (bounded by MAX_RESTARTS + 1)
         self.crashes = 0
         self.helper_pid: int | None = None
         self.priority: str | None = None
@@ -73,7 +74,11 @@ class HelperDriver(Driver):
             close_fds=True,
         )
         assert proc.stdout is not None
-        hello, _ = _wire.recv(proc.stdout)
+        try:
+            hello, _ = _wire.recv(proc.stdout)
+        except _wire.WireError:
+            rc = proc.wait()
+            raise HelperError(f"helper process failed to start (exit status {rc})") from None
         self.starts += 1
         self.helper_pid = int(hello["pid"])
         self.priority = str(hello.get("priority"))
@@ -97,10 +102,9 @@ class HelperDriver(Driver):
     def _request(self, job: Job) -> list[bytes]:
         proc = self._proc
         if proc is None or proc.poll() is not None:
-            if proc is not None:
-                self.crashes += 1
-            if self.starts > MAX_RESTARTS:
-                raise HelperError("helper process keeps dying; giving up")
+            if self.attempts > MAX_RESTARTS:
+                raise HelperError("helper process keeps failing; giving up for this process")
+            self.attempts += 1
             proc = self._proc = self._spawn()
         stdin: IO[bytes] = proc.stdin  # type: ignore[assignment]
         stdout: IO[bytes] = proc.stdout  # type: ignore[assignment]
