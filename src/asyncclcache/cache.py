@@ -425,6 +425,9 @@ class Cache:
                 return
             job.claim = claim
         driver: Driver = job.extra["driver"]
+        if purpose != "warmup":
+            # Variants pocl compiles after this moment may be missing from the snapshot.
+            job.extra["snapshot_started"] = time.time()
         driver.fetch(job, lambda binaries, error: self._fetched(job, purpose, binaries, error))
 
     def _written_since(self, job: Job) -> bool:
@@ -562,12 +565,23 @@ class Cache:
                 self._idle.notify_all()
 
     def _refresh(self) -> None:
+        """Re-snapshot entries whose kernels pocl compiled new variants for since."""
         with self._lock:
             if self._closed:
                 return
             keys = [k for k in self._refreshable if k not in self._inflight]
             jobs = [self._jobs[k] for k in keys]
+        if not jobs:
+            return
+        from .drivers.pocl import newest_variants
+
+        newest = newest_variants()
         for job in jobs:
+            kernels = job.extra.get("kernels") or []
+            if newest is not None and kernels:
+                latest = max(newest.get(k, 0.0) for k in kernels)
+                if latest < job.extra.get("snapshot_started", 0.0):
+                    continue  # nothing new since the snapshot: skip the helper round trip
             self._fetch(job, "refresh")
 
     def _background_error(self, error: BaseException, *, count: bool = True) -> None:

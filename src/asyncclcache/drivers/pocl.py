@@ -16,17 +16,61 @@ import queue
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import IO
 
 from . import _wire
 from .base import Done, Driver, Job
 
-__all__ = ["HelperDriver", "HelperError"]
+__all__ = ["HelperDriver", "HelperError", "kernel_cache_dir", "newest_variants"]
 
 logger = logging.getLogger(__name__)
 _STOP = object()
 #: Restarts after a helper crash before the driver gives up for this process.
 MAX_RESTARTS = 3
+
+
+def kernel_cache_dir() -> Path | None:
+    """pocl's kernel cache directory, as pocl finds it (``POCL_CACHE_DIR``, else the
+    XDG cache home's ``pocl/kcache``); ``None`` when pocl's cache is off."""
+    if os.environ.get("POCL_KERNEL_CACHE", "1").strip() == "0":
+        return None
+    if os.environ.get("POCL_CACHE_DIR"):
+        return Path(os.environ["POCL_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "pocl" / "kcache"
+
+
+def newest_variants() -> dict[str, float] | None:
+    """Kernel name -> newest modification time of its compiled variants in pocl's cache.
+
+    pocl keeps ``<dir>/<XX>/<program hash>/<kernel>/<variant>/``; a launch with a new
+    local size adds a variant. One walk answers "did this program's kernels gain
+    variants since its snapshot?" for every program at once. ``None`` if the layout is
+    not what we expect (then every entry is refreshed).
+    """
+    root = kernel_cache_dir()
+    if root is None or not root.is_dir():
+        return None
+    newest: dict[str, float] = {}
+    try:
+        for prefix in os.scandir(root):
+            if not prefix.is_dir(follow_symlinks=False):
+                continue
+            for program in os.scandir(prefix.path):
+                if not program.is_dir(follow_symlinks=False):
+                    continue
+                for kernel in os.scandir(program.path):
+                    if not kernel.is_dir(follow_symlinks=False):
+                        continue
+                    for variant in os.scandir(kernel.path):
+                        if variant.is_dir(follow_symlinks=False):
+                            t = variant.stat(follow_symlinks=False).st_mtime
+                            if t > newest.get(kernel.name, 0.0):
+                                newest[kernel.name] = t
+    except OSError:
+        return None
+    return newest
 
 
 class HelperError(RuntimeError):
@@ -48,6 +92,7 @@ class HelperDriver(Driver):
         self.starts = 0  # helpers that said hello
         self.attempts = 0  # spawns tried (bounded by MAX_RESTARTS + 1)
         self.crashes = 0
+        self.requests = 0  # requests the helper answered
         self.helper_pid: int | None = None
         self.priority: str | None = None
 
@@ -122,6 +167,7 @@ class HelperDriver(Driver):
             raise HelperError(f"helper process died (exit status {rc}): {e}") from None
         if not header.get("ok"):
             raise HelperError(f"helper could not build {job.key[:12]}: {header.get('error')}")
+        self.requests += 1
         # The first request's time is the warm-up: about one code generation.
         job.extra.setdefault("warmup_seconds", float(header.get("seconds", 0.0)))
         return payloads
