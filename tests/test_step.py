@@ -88,13 +88,11 @@ def test_unchanged_program_is_not_rewritten_at_flush(cl_ctx, cache_dir):
     prg = cache.program(cl_ctx, small_source()).build()
     assert run_twice(cl_ctx, prg)
     assert cache.flush(120)
-    writes = cache.stats().writes
-    assert cache.flush(120)  # may re-ask the helper once, if the launch raced the snapshot
-    requests = cache._drivers["process"].requests
+    # The launch compiled its variant before the helper (a new process) got to the
+    # snapshot, so the entry has it and later flushes do not even ask the helper.
     assert cache.flush(120) and cache.flush(120)
-    # pocl compiled nothing new: the helper is not even asked again.
-    assert cache._drivers["process"].requests == requests
-    assert cache.stats().writes == writes and cache.stats().refreshes == 0
+    assert cache._drivers["process"].requests == 1
+    assert cache.stats().writes == 1 and cache.stats().refreshes == 0
     cache.close()
 
 

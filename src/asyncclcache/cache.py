@@ -425,9 +425,6 @@ class Cache:
                 return
             job.claim = claim
         driver: Driver = job.extra["driver"]
-        if purpose != "warmup":
-            # Variants pocl compiles after this moment may be missing from the snapshot.
-            job.extra["snapshot_started"] = time.time()
         driver.fetch(job, lambda binaries, error: self._fetched(job, purpose, binaries, error))
 
     def _written_since(self, job: Job) -> bool:
@@ -579,8 +576,10 @@ class Cache:
         for job in jobs:
             kernels = job.extra.get("kernels") or []
             if newest is not None and kernels:
+                # The driver stamps when its last query began: variants older than that
+                # are in the entry already.
                 latest = max(newest.get(k, 0.0) for k in kernels)
-                if latest < job.extra.get("snapshot_started", 0.0):
+                if latest < job.extra.get("queried_at", 0.0):
                     continue  # nothing new since the snapshot: skip the helper round trip
             self._fetch(job, "refresh")
 

@@ -7,6 +7,8 @@ abort pocl 3.1 (F13): use the helper process there.
 
 from __future__ import annotations
 
+import time
+
 from ..binaries import program_binaries
 from ..workers import Workers
 from .base import Done, Driver, Job
@@ -15,6 +17,7 @@ __all__ = ["SyncDriver", "ThreadDriver"]
 
 
 def _query(job: Job, done: Done) -> None:
+    job.extra["queried_at"] = time.time()
     try:
         result = program_binaries(job.program, job.devices)
     except Exception as e:  # noqa: BLE001 - reported through done

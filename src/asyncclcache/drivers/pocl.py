@@ -16,6 +16,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO
 
@@ -45,7 +46,7 @@ def newest_variants() -> dict[str, float] | None:
     """Kernel name -> newest modification time of its compiled variants in pocl's cache.
 
     pocl keeps ``<dir>/<XX>/<program hash>/<kernel>/<variant>/``; a launch with a new
-    local size adds a variant. One walk answers "did this program's kernels gain
+    local size adds a variant (the generic one, ``0-0-0``, comes from binary queries). One walk answers "did this program's kernels gain
     variants since its snapshot?" for every program at once. ``None`` if the layout is
     not what we expect (then every entry is refreshed).
     """
@@ -64,7 +65,8 @@ def newest_variants() -> dict[str, float] | None:
                     if not kernel.is_dir(follow_symlinks=False):
                         continue
                     for variant in os.scandir(kernel.path):
-                        if variant.is_dir(follow_symlinks=False):
+                        # "0-0-0..." is the generic variant: the helper's own query makes it.
+                        if variant.is_dir(follow_symlinks=False) and not variant.name.startswith("0-0-0"):
                             t = variant.stat(follow_symlinks=False).st_mtime
                             if t > newest.get(kernel.name, 0.0):
                                 newest[kernel.name] = t
@@ -153,6 +155,9 @@ class HelperDriver(Driver):
             proc = self._proc = self._spawn()
         stdin: IO[bytes] = proc.stdin  # type: ignore[assignment]
         stdout: IO[bytes] = proc.stdout  # type: ignore[assignment]
+        # The helper starts on it at once (one request at a time); variants compiled
+        # before this moment are in the blob it returns.
+        queried_at = time.time()
         try:
             _wire.send(
                 stdin,
@@ -168,6 +173,7 @@ class HelperDriver(Driver):
         if not header.get("ok"):
             raise HelperError(f"helper could not build {job.key[:12]}: {header.get('error')}")
         self.requests += 1
+        job.extra["queried_at"] = queried_at
         # The first request's time is the warm-up: about one code generation.
         job.extra.setdefault("warmup_seconds", float(header.get("seconds", 0.0)))
         return payloads
