@@ -284,7 +284,7 @@ def task_stall() -> None:
         prg = make_builder(bench.ctx)(seed.source())
         bench.launch_check(prg, seed)
         RESULT["first_result_s"] = pc() - t0
-        until = pc() + SPEC.get("idle_s", 3.0)
+        until = pc() + SPEC.get("idle_s", 10.0)
         RESULT["window"] = probe(lambda: pc() > until)
     elif window == "thread_build":
         build = make_builder(bench.ctx)

@@ -303,6 +303,7 @@ print(driver.helper_pid, time.time(), flush=True)
     # The generic compile takes about 5 s; exit waited 0.5 s plus the helper's reaping.
     assert exit_took < 4.0, f"exit took {exit_took:.1f}s (total {elapsed:.1f}s)"
     assert not _alive(int(pid_text))
+    assert "background failure" not in proc.stderr  # dropping at exit is not a failure
     store = Store(cache_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _version, lifetime
 from .config import STRATEGIES, get_config, parse_size
-from .drivers import Driver, Job, auto_strategy
+from .drivers import Driver, Dropped, Job, auto_strategy
 from .entry import Entry
 from .errors import BackgroundError, WriteFailedWarning
 from .store import PublishResult, Store
@@ -449,7 +449,10 @@ class Cache:
                 self._counts["warmups"] += 1
         if error is not None:
             self._release_claim(job)
-            self._background_error(error)
+            if isinstance(error, Dropped):
+                self._count("skipped")  # shut down first: not a failure
+            else:
+                self._background_error(error)
             self._done(job)
             return
         assert binaries is not None

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import Done, Driver, Job
+from .base import Done, Driver, Dropped, Job
 
 if TYPE_CHECKING:
     import pyopencl as cl
 
-__all__ = ["Done", "Driver", "Job", "auto_strategy", "is_pocl_cpu"]
+__all__ = ["Done", "Driver", "Dropped", "Job", "auto_strategy", "is_pocl_cpu"]
 
 POCL_PLATFORM_NAME = "Portable Computing Language"
 

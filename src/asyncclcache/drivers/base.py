@@ -12,7 +12,11 @@ if TYPE_CHECKING:
 
     from ..keys import KeyInfo
 
-__all__ = ["Done", "Driver", "Job"]
+__all__ = ["Done", "Driver", "Dropped", "Job"]
+
+
+class Dropped(Exception):  # noqa: N818 - a fate, not a failure
+    """A fetch abandoned because the cache is shutting down (counted as skipped)."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from . import _wire
-from .base import Done, Driver, Job
+from .base import Done, Driver, Dropped, Job
 
 __all__ = ["HelperDriver", "HelperError", "kernel_cache_dir", "newest_variants"]
 
@@ -101,7 +101,7 @@ class HelperDriver(Driver):
     def fetch(self, job: Job, done: Done) -> None:
         with self._lock:
             if self._closed:
-                done(None, HelperError("helper driver closed"))
+                done(None, Dropped("helper driver closed"))
                 return
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -167,8 +167,10 @@ class HelperDriver(Driver):
             header, payloads = _wire.recv(stdout)
         except (OSError, _wire.WireError) as e:
             rc = proc.wait()
-            self.crashes += 1
             self._proc = None
+            if self._closed:
+                raise Dropped("helper stopped at close") from None
+            self.crashes += 1
             raise HelperError(f"helper process died (exit status {rc}): {e}") from None
         if not header.get("ok"):
             raise HelperError(f"helper could not build {job.key[:12]}: {header.get('error')}")
@@ -212,7 +214,7 @@ class HelperDriver(Driver):
                 break
         for item in dropped:
             _job, done = item  # type: ignore[misc]
-            done(None, HelperError("dropped at close"))
+            done(None, Dropped("dropped at close"))
         proc = self._proc
         if proc is not None and proc.poll() is None:
             # Mid-compile: the helper holds nothing we need; kill it.
