@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = ["Done", "Driver", "Dropped", "Job"]
 
 
-class Dropped(Exception):  # noqa: N818 - a fate, not a failure
+class Dropped(Exception):
     """A fetch abandoned because the cache is shutting down (counted as skipped)."""
 
 

@@ -46,8 +46,9 @@ def newest_variants() -> dict[str, float] | None:
     """Kernel name -> newest modification time of its compiled variants in pocl's cache.
 
     pocl keeps ``<dir>/<XX>/<program hash>/<kernel>/<variant>/``; a launch with a new
-    local size adds a variant (the generic one, ``0-0-0``, comes from binary queries). One walk answers "did this program's kernels gain
-    variants since its snapshot?" for every program at once. ``None`` if the layout is
+    local size adds a variant (the generic one, ``0-0-0``, comes from binary queries).
+    One walk answers "did this program's kernels gain variants since its snapshot?"
+    for every program at once. ``None`` if the layout is
     not what we expect (then every entry is refreshed).
     """
     root = kernel_cache_dir()
