@@ -17,12 +17,12 @@ __all__ = ["SyncDriver", "ThreadDriver"]
 
 
 def _query(job: Job, done: Done) -> None:
-    job.extra["queried_at"] = time.time()
     try:
         result = program_binaries(job.program, job.devices)
     except Exception as e:  # noqa: BLE001 - reported through done
         done(None, e)
         return
+    job.extra["queried_at"] = time.time()
     done(result, None)
 
 
