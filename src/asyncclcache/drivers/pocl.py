@@ -76,6 +76,19 @@ def newest_variants() -> dict[str, float] | None:
     return newest
 
 
+# Lower the priority before anything is imported: starting Python and pyopencl is CPU
+# work too, and with one rank per core no core is idle for it.
+_HELPER_BOOT = """
+import os, sys
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    pass
+from asyncclcache.drivers.pocl_helper import main
+sys.exit(main())
+"""
+
+
 class HelperError(RuntimeError):
     """The helper process failed a request or died."""
 
@@ -115,7 +128,7 @@ class HelperDriver(Driver):
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncclcache.drivers.pocl_helper"],
+            [sys.executable, "-c", _HELPER_BOOT],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=dict(os.environ),  # same POCL_* settings, so pocl computes the same hash
