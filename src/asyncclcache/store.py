@@ -423,54 +423,51 @@ class Store:
                 if p.is_dir() and not p.is_symlink():
                     yield p
 
-    def entries(self) -> Iterator[StoredEntry]:
-        """Every entry file, unvalidated. Safe while others write (files may vanish)."""
+    def _files(self) -> Iterator[tuple[Path, str]]:
         for d in self._fanout_dirs():
             try:
                 names = os.listdir(d)
             except OSError:
-                continue
+                continue  # removed meanwhile
             for name in names:
-                if not name.endswith(ENTRY_SUFFIX) or name.startswith("."):
-                    continue
-                p = d / name
-                try:
-                    st = os.lstat(p)
-                except OSError:
-                    continue
-                yield StoredEntry(name[: -len(ENTRY_SUFFIX)], p, st.st_size, st.st_mtime, st.st_atime)
+                yield d / name, name
+
+    def entries(self) -> Iterator[StoredEntry]:
+        """Every entry file, unvalidated. Safe while others write (files may vanish)."""
+        for p, name in self._files():
+            if not name.endswith(ENTRY_SUFFIX) or name.startswith("."):
+                continue
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            yield StoredEntry(name[: -len(ENTRY_SUFFIX)], p, st.st_size, st.st_mtime, st.st_atime)
 
     def orphans(self) -> tuple[list[Path], list[Path]]:
         """Temp files whose writer is gone (or too old) and lock files nobody holds."""
         temps: list[Path] = []
         locks: list[Path] = []
         now = time.time()
-        for d in self._fanout_dirs():
-            try:
-                names = os.listdir(d)
-            except OSError:
-                continue
-            for name in names:
-                p = d / name
-                if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
-                    pid_text = name[len(TEMP_PREFIX) :].split("-", 1)[0]
-                    try:
-                        age = now - os.lstat(p).st_mtime
-                    except OSError:
-                        continue
-                    alive = pid_text.isdigit() and _pid_alive(int(pid_text))
-                    if not alive or age > TEMP_MAX_AGE:
-                        temps.append(p)
-                elif name.endswith(LOCK_SUFFIX):
-                    lock = filelock.FileLock(str(p), timeout=0)
-                    try:
-                        lock.acquire()
-                    except (filelock.Timeout, OSError):
-                        continue
-                    try:
-                        locks.append(p)
-                    finally:
-                        lock.release()
+        for p, name in self._files():
+            if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
+                pid_text = name[len(TEMP_PREFIX) :].split("-", 1)[0]
+                try:
+                    age = now - os.lstat(p).st_mtime
+                except OSError:
+                    continue
+                alive = pid_text.isdigit() and _pid_alive(int(pid_text))
+                if not alive or age > TEMP_MAX_AGE:
+                    temps.append(p)
+            elif name.endswith(LOCK_SUFFIX):
+                lock = filelock.FileLock(str(p), timeout=0)
+                try:
+                    lock.acquire()
+                except (filelock.Timeout, OSError):
+                    continue
+                try:
+                    locks.append(p)
+                finally:
+                    lock.release()
         return temps, locks
 
     def touch(self, key: str) -> None:
