@@ -87,7 +87,6 @@ class PublishResult(enum.Enum):
 
     WRITTEN = "written"
     SKIPPED = "skipped"  # another writer holds the key's lock
-    FAILED = "failed"  # I/O error; nothing partial left
     DISABLED = "disabled"  # the store is not usable
 
 
