@@ -579,8 +579,8 @@ class Cache:
         for job in jobs:
             kernels = job.extra.get("kernels") or []
             if newest is not None and kernels:
-                # The driver stamps when its last query began: variants older than that
-                # are in the entry already.
+                # The driver stamps when its last query answered (pocl packs at the end):
+                # variants older than that are in the entry already.
                 latest = max(newest.get(k, 0.0) for k in kernels)
                 if latest < job.extra.get("queried_at", 0.0):
                     continue  # nothing new since the snapshot: skip the helper round trip
@@ -629,5 +629,5 @@ def _close_all() -> None:
     for cache in list(_CACHES):
         try:
             cache.close()
-        except Exception:
+        except Exception:  # never fail interpreter exit
             logger.exception("asyncclcache: error at exit")

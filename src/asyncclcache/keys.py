@@ -26,7 +26,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -88,18 +88,20 @@ _RACY_NS = 2_000_000_000
 
 
 class _DigestMemo:
-    """(path, inode, size, mtime, ctime) -> content digest: a cheap stat before any re-hash.
+    """(path, inode, size, mtime, ctime) -> content digest and the names the file includes:
+    a cheap stat before any re-read.
 
-    Like git's "racily clean" rule, a digest is only remembered for a file whose
-    last change is clearly older than the moment it was hashed; otherwise a second
+    Like git's "racily clean" rule, a result is only remembered for a file whose
+    last change is clearly older than the moment it was read; otherwise a second
     edit within one timestamp tick (same size) would return the stale digest.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._memo: dict[str, tuple[tuple[int, int, int, int], str]] = {}
+        self._memo: dict[str, tuple[tuple[int, int, int, int], str, tuple[bytes, ...]]] = {}
 
-    def digest(self, path: str) -> str | None:
+    def scan(self, path: str) -> tuple[str, tuple[bytes, ...]] | None:
+        """The file's SHA-256 and its ``#include`` names; ``None`` if it is not a readable file."""
         try:
             st = os.stat(path)
         except OSError:
@@ -110,24 +112,23 @@ class _DigestMemo:
         with self._lock:
             hit = self._memo.get(path)
         if hit is not None and hit[0] == stamp:
-            return hit[1]
-        hashed_at = time.time_ns()
+            return hit[1], hit[2]
+        read_at = time.time_ns()
         try:
             with open(path, "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()
+                text = f.read()
         except OSError:
             return None
-        if hashed_at - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
+        digest = hashlib.sha256(text).hexdigest()
+        names = tuple(m.group(1) for m in _INCLUDE_RE.finditer(text))
+        if read_at - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
             with self._lock:
-                self._memo[path] = (stamp, digest)
-        return digest
+                self._memo[path] = (stamp, digest, names)
+        return digest, names
 
-    def read(self, path: str) -> bytes | None:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError:
-            return None
+    def digest(self, path: str) -> str | None:
+        scanned = self.scan(path)
+        return None if scanned is None else scanned[0]
 
 
 _MEMO = _DigestMemo()
@@ -140,23 +141,21 @@ def find_include_deps(source: bytes, include_path: Sequence[str]) -> tuple[Inclu
     """
     found: dict[str, str] = {}
 
-    def visit(src: bytes) -> None:
-        for match in _INCLUDE_RE.finditer(src):
-            name = match.group(1).decode("utf-8", "surrogateescape")
+    def visit(names: Iterable[bytes]) -> None:
+        for raw in names:
+            name = raw.decode("utf-8", "surrogateescape")
             for directory in include_path:
                 path = os.path.realpath(os.path.join(directory, name))
                 if path in found:
                     break
-                digest = _MEMO.digest(path)
-                if digest is None:
+                scanned = _MEMO.scan(path)
+                if scanned is None:
                     continue
-                found[path] = digest
-                text = _MEMO.read(path)
-                if text is not None:
-                    visit(text)
+                found[path] = scanned[0]
+                visit(scanned[1])
                 break
 
-    visit(source)
+    visit(m.group(1) for m in _INCLUDE_RE.finditer(source))
     return tuple(IncludeDep(p, d) for p, d in sorted(found.items()))
 
 

@@ -99,7 +99,7 @@ def cached_build(
         duration = time.perf_counter() - t0
         t1 = time.perf_counter()
         cache._record_build(hit=False)
-        logs = [log or "" for _dev, log in new._get_build_logs()] if _has_logs(new) else []
+        logs = _build_logs(new)
         cache._schedule(
             new, info, source_bytes, devs, logs, looked_up_at,
             kernels=_kernel_names(new), build_seconds=duration,
@@ -120,11 +120,13 @@ def _kernel_names(prg: Any) -> list[str]:
     return sorted(n for n in names.split(";") if n)
 
 
-def _has_logs(prg: Any) -> bool:
+def _build_logs(prg: Any) -> list[str]:
+    """The per-device build logs, or ``[]`` when all are empty (the usual case)."""
     try:
-        return any(log and log.strip() for _d, log in prg._get_build_logs())
+        logs = [log or "" for _dev, log in prg._get_build_logs()]
     except cl.Error:
-        return False
+        return []
+    return logs if any(log.strip() for log in logs) else []
 
 
 def _replay_logs(logs: list[str], devices: Sequence[cl.Device]) -> None:
