@@ -13,9 +13,14 @@ numbers as JSON to ``spec["out"]``. Tasks:
 * ``throughput``: build + launch + check a workload once and exit; run.py times the
   whole process, interpreter exit (asyncclcache's atexit flush) included.
 
-Variants: ``nocache`` (pyopencl, ``PYOPENCL_NO_CACHE=1``), ``pyopencl`` (pyopencl's
-binary cache forced on for pocl), ``acc`` / ``acc-sync`` / ``acc-thread``
-(asyncclcache with strategy auto / sync / thread).
+Variants: ``nocache`` (pyopencl, ``PYOPENCL_NO_CACHE=1``), ``default`` (pyopencl as
+installed: on pocl and NVIDIA it leaves caching to the driver's kernel cache),
+``pyopencl`` (pyopencl's binary cache forced on), ``acc`` / ``acc-sync`` /
+``acc-thread`` (asyncclcache with strategy auto / sync / thread), ``acc-shared``
+(auto, one directory for all ranks; ``acc`` is rank-local).
+
+A spec with ``start_at`` (a ``time.time()`` value) waits until then before its timed
+part: run.py starts the ranks of one measurement together that way.
 """
 
 from __future__ import annotations
@@ -72,14 +77,17 @@ from workloads import WORK_ITEMS, WORKLOADS, Prog, small  # noqa: E402
 
 RESULT["import_s"] = pc() - T_START
 VARIANT: str = SPEC.get("variant") or "nocache"
-ACC_STRATEGY = {"acc": "auto", "acc-sync": "sync", "acc-thread": "thread", "acc-process": "process"}
+ACC_STRATEGY = {"acc": "auto", "acc-shared": "auto", "acc-sync": "sync", "acc-thread": "thread",
+                "acc-process": "process"}
 
 
 def _acc_cache() -> Any:
     global CACHE
     import asyncclcache as acc
 
-    CACHE = acc.Cache(SPEC["acc_dir"], strategy=ACC_STRATEGY[VARIANT], rank_local=False)
+    # Rank-local is the library's default; it only differs from shared under MPI ranks.
+    CACHE = acc.Cache(SPEC["acc_dir"], strategy=ACC_STRATEGY[VARIANT],
+                      rank_local=VARIANT != "acc-shared")
     return CACHE
 
 
@@ -87,6 +95,9 @@ def make_builder(ctx: cl.Context) -> Callable[[str], Any]:
     """A function source -> built program, for this variant. Creates the cache (timed)."""
     if VARIANT == "nocache":
         assert cl._PYOPENCL_NO_CACHE, "run.py sets PYOPENCL_NO_CACHE=1 for this variant"
+        return lambda src: cl.Program(ctx, src).build()
+    if VARIANT == "default":
+        assert not cl._PYOPENCL_NO_CACHE
         return lambda src: cl.Program(ctx, src).build()
     if VARIANT == "pyopencl":
         import pyopencl.characterize
@@ -148,12 +159,20 @@ def _stats() -> dict[str, Any] | None:
 def task_describe() -> None:
     ctx = cl.create_some_context(interactive=False)
     dev = ctx.devices[0]
+    import pyopencl.characterize as ch
+
     import asyncclcache
+    from asyncclcache.drivers import auto_reason, auto_strategy
 
     RESULT.update(
         platform_name=dev.platform.name,
         platform_version=dev.platform.version,
         device_name=dev.name,
+        device_type="+".join(t for t in ("CPU", "GPU", "ACCELERATOR")
+                             if dev.type & getattr(cl.device_type, t)) or str(dev.type),
+        auto_strategy=auto_strategy(ctx.devices),
+        auto_reason=auto_reason(ctx.devices),
+        pyopencl_default_binary_cache=not ch.has_src_build_cache(dev),
         device_version=dev.version,
         driver_version=dev.driver_version,
         compute_units=dev.max_compute_units,
@@ -168,11 +187,17 @@ def task_describe() -> None:
 def task_first_result() -> None:
     bench = Bench()
     progs = WORKLOADS[SPEC["workload"]](**SPEC.get("workload_args", {}))
+    start_at = SPEC.get("start_at")
+    if start_at:  # ranks: released together, like after MPI_Init
+        while time.time() < start_at:
+            time.sleep(0.001)
     t0 = pc()
     build = make_builder(bench.ctx)
     parts = bench.run(progs, build)
     t1 = pc()
     RESULT.update(first_result_s=t1 - t0, programs=len(progs), **parts)
+    if CACHE is not None:
+        RESULT["strategies_used"] = sorted(CACHE._drivers)
     RESULT["build_descr"] = bench.build_descr
     RESULT["stats_timed"] = _stats()
     if CACHE is not None:
@@ -269,7 +294,7 @@ def task_stall() -> None:
     sk = SmallKernel(bench)
     probe_name = SPEC["probe"]
     window = SPEC["window"]
-    seed = WORKLOADS["seed"]()[0]
+    seed = WORKLOADS["seed"](**SPEC.get("workload_args", {}))[0]
 
     def probe(stop: Callable[[], bool]) -> dict[str, Any]:
         return _tick_probe(stop) if probe_name == "tick" else sk.probe(stop)

@@ -1,11 +1,16 @@
 #!/usr/bin/env python
-"""asyncclcache benchmark suite: ``python benchmarks/run.py [--quick] [--out DIR]``.
+"""asyncclcache benchmarks: ``asyncclcache bench [--quick] [--out DIR]``
+(or ``python benchmarks/run.py ...``).
 
 Every measurement runs in a fresh child process (benchmarks/child.py) with a fresh
-``POCL_CACHE_DIR``, a fresh ``XDG_CACHE_HOME`` and its own cache directory. The
-variants of one row run side by side in the same invocation, interleaved across
-repetitions. Writes ``results.md`` (the table) and ``results.json`` (raw numbers)
-to ``--out`` (default benchmarks/out/) and prints the table. See benchmarks/README.md.
+driver kernel cache (``POCL_CACHE_DIR``, ``CUDA_CACHE_PATH``: a new node), a fresh
+``XDG_CACHE_HOME`` and its own cache directory. The variants of one row run side by
+side in the same invocation, interleaved across repetitions. Sections: seed, multi
+(time to the first result, cold and warm), stall (the main thread while the binary
+work runs), throughput (many short-lived programs), ranks (R processes at once).
+Writes ``report.md``, ``report.json`` and, with matplotlib (the ``plot`` extra), PNG
+plots to ``--out`` (default benchmarks/out/), rewritten after every section.
+See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -19,13 +24,12 @@ import platform
 import resource
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +37,34 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CHILD = HERE / "child.py"
 
-VARIANTS = ["nocache", "pyopencl", "acc", "acc-sync", "acc-thread"]
-HEAD = {
-    "nocache": "no cache",
-    "pyopencl": "pyopencl cache",
-    "acc": "acc (auto=process)",
-    "acc-sync": "acc sync",
-    "acc-thread": "acc thread",
-}
+sys.path.insert(0, str(HERE))
+import report  # noqa: E402
+
+#: Single-process variants (report.VARIANTS has them all).
+VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-sync", "acc-thread"]
+RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
+SECTIONS = ["seed", "multi", "stall", "throughput", "ranks"]
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+class Progress:
+    """Progress lines: elapsed time, section k/n, and the measurement."""
+
+    def __init__(self, sections: list[str]) -> None:
+        self.t0 = time.perf_counter()
+        self.sections = sections
+        self.current = ""
+
+    def section(self, name: str) -> None:
+        self.current = name
+
+    def __call__(self, msg: str) -> None:
+        el = int(time.perf_counter() - self.t0)
+        k = self.sections.index(self.current) + 1 if self.current in self.sections else 0
+        where = f"{k}/{len(self.sections)} {self.current}" if k else ""
+        print(f"[{el // 60:02d}:{el % 60:02d} {where}] {msg}", flush=True)
+
+
+log = Progress([])
 
 
 def _cpu(ru: resource.struct_rusage) -> float:
@@ -61,9 +81,12 @@ def _become_subreaper() -> bool:
         return False
 
 
-def _median(xs: Iterable[float | None]) -> float | None:
-    v = [x for x in xs if x is not None]
-    return statistics.median(v) if v else None
+def _s(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} s"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f} ms"
 
 
 class Runner:
@@ -82,17 +105,27 @@ class Runner:
         d.mkdir(parents=True)
         return str(d)
 
-    def env(self, variant: str | None) -> dict[str, str]:
+    def node(self) -> dict[str, str]:
+        """A new node: empty driver kernel caches and an empty pyopencl invoker cache."""
+        d = self.fresh("node")
+        return {"POCL_CACHE_DIR": f"{d}/pocl", "CUDA_CACHE_PATH": f"{d}/cuda",
+                "XDG_CACHE_HOME": f"{d}/xdg"}
+
+    def env(self, variant: str | None, node: dict[str, str] | None = None,
+            **extra: str) -> dict[str, str]:
+        """The child's environment: the caller's, minus anything that configures a
+        cache, plus *node* (default: a new one) and *extra*."""
         env = {
             k: v
             for k, v in os.environ.items()
             if not k.startswith(("ASYNCCLCACHE_", "PYOPENCL_"))
-            and k not in ("POCL_CACHE_DIR", "XDG_CACHE_HOME")
+            and k not in ("POCL_CACHE_DIR", "XDG_CACHE_HOME", "CUDA_CACHE_PATH",
+                          "CUDA_CACHE_DISABLE")
         }
         if "PYOPENCL_CTX" in os.environ:
             env["PYOPENCL_CTX"] = os.environ["PYOPENCL_CTX"]
-        env["POCL_CACHE_DIR"] = self.fresh("pocl")  # a fresh node: pocl's cache is empty
-        env["XDG_CACHE_HOME"] = self.fresh("xdg")  # pyopencl's invoker cache, too
+        env.update(node or self.node())
+        env.update(extra)
         if variant == "nocache":
             env["PYOPENCL_NO_CACHE"] = "1"
         src = str(REPO / "src")
@@ -136,10 +169,12 @@ class Runner:
         killers = []
         threads = []
         for _spec, proc, _t0, _f, _tag in started:
+            # Daemon threads: an interrupted run must not wait for them at exit.
             k = threading.Timer(timeout, self._kill_group, args=(proc.pid,))
+            k.daemon = True
             k.start()
             killers.append(k)
-            th = threading.Thread(target=wait, args=(proc,))
+            th = threading.Thread(target=wait, args=(proc,), daemon=True)
             th.start()
             threads.append(th)
         for th in threads:
@@ -248,37 +283,20 @@ def describe(runner: Runner) -> dict[str, Any]:
     except OSError:
         pass
     r = runner.run([{"task": "describe", "_env": runner.env(None)}], timeout=120)[0]
+    if r.get("error"):
+        raise SystemExit(f"cannot create an OpenCL context:\n{r.get('log_tail')}")
     for k in (
-        "platform_name", "platform_version", "device_name", "driver_version", "compute_units",
-        "pyopencl", "numpy", "python", "asyncclcache", "asyncclcache_path",
+        "platform_name", "platform_version", "device_name", "device_type", "driver_version",
+        "compute_units", "pyopencl", "numpy", "python", "asyncclcache", "asyncclcache_path",
+        "auto_strategy", "auto_reason", "pyopencl_default_binary_cache",
     ):
         info[k] = r.get(k)
+    info["env"] = {k: v for k, v in sorted(os.environ.items())
+                   if k in ("PYOPENCL_CTX", "POCL_DEVICES", "POCL_MAX_PTHREAD_COUNT",
+                            "CUDA_CACHE_DISABLE", "OCL_ICD_VENDORS")}
     info["python_executable"] = runner.python
     info["loadavg_start"] = os.getloadavg()
     return info
-
-
-def machine_md(m: dict[str, Any]) -> str:
-    rows = [
-        ("CPU", f"{m.get('cpu')} — {m.get('cores')} cores (affinity {m.get('affinity')}), "
-                f"{m.get('memory_gib')} GiB"),
-        ("OS", f"{m.get('os')}, Linux {m.get('kernel')}"),
-        ("OpenCL", f"{m.get('platform_name')}: {m.get('platform_version')}"),
-        ("device", f"{m.get('device_name')} (driver {m.get('driver_version')}, "
-                   f"{m.get('compute_units')} CUs)"),
-        ("clinfo", m.get("clinfo_platform_version", "n/a")),
-        ("Python", f"{m.get('python')} ({m.get('python_executable')})"),
-        ("pyopencl / numpy", f"{m.get('pyopencl')} / {m.get('numpy')}"),
-        ("asyncclcache", f"{m.get('asyncclcache')} at {m.get('asyncclcache_path')} "
-                         f"(git {m.get('git', '?')})"),
-        ("load average", f"start {fmt_load(m.get('loadavg_start'))}, "
-                         f"end {fmt_load(m.get('loadavg_end'))}"),
-    ]
-    return "\n".join(f"- **{k}**: {v}" for k, v in rows)
-
-
-def fmt_load(x: Any) -> str:
-    return "/".join(f"{v:.2f}" for v in x) if x else "?"
 
 
 # }}}
@@ -288,7 +306,8 @@ def fmt_load(x: Any) -> str:
 
 
 def measure_first_result(
-    runner: Runner, workload: str, variants: list[str], reps: int, extra_reps: int
+    runner: Runner, workload: str, variants: list[str], reps: int, extra_reps: int,
+    workload_args: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Cold (fresh pocl cache, empty cache dir) then warm (fresh pocl cache, the cold
     run's cache dir) time to the first correct result, per variant and repetition."""
@@ -299,19 +318,23 @@ def measure_first_result(
         for v in order:
             if rep >= extra_reps and v in ("acc-sync", "acc-thread"):
                 continue
-            spec: dict[str, Any] = {"task": "first_result", "variant": v, "workload": workload}
+            spec: dict[str, Any] = {"task": "first_result", "variant": v, "workload": workload,
+                                    "workload_args": workload_args or {}}
             if v.startswith("acc"):
                 spec["acc_dir"] = runner.fresh(f"{v}-cache")
             if v == "pyopencl":
                 spec["pyopencl_dir"] = runner.fresh("pyopencl-cache")
-            cold = runner.run([dict(spec, _env=runner.env(v))])[0]
+            node = runner.node()
+            cold = runner.run([dict(spec, _env=runner.env(v, node))])[0]
             res[v]["cold"].append(cold)
             msg = f"{workload} rep {rep + 1}/{reps} {v:10s} cold {_s(cold.get('first_result_s'))}"
             if v.startswith("acc") and "flush_s" in cold:
                 msg += (f" (then flush {cold['flush_s']:.2f} s, close {cold['close_s']:.2f} s,"
                         f" {cold.get('entries')} entries)")
             if v != "nocache" and "error" not in cold:
-                warm = runner.run([dict(spec, _env=runner.env(v))])[0]
+                # The driver's own cache can only help on the same node; all else: a new one.
+                warm_node = node if v == "default" else None
+                warm = runner.run([dict(spec, _env=runner.env(v, warm_node))])[0]
                 res[v]["warm"].append(warm)
                 msg += f"; warm {_s(warm.get('first_result_s'))}"
                 if warm.get("stats_timed"):
@@ -336,15 +359,16 @@ STALL_CASES = [
 ]
 
 
-def measure_stall(runner: Runner, cases: list[str], reps: int) -> dict[str, Any]:
+def measure_stall(runner: Runner, cases: dict[str, tuple[str, ...]], reps: int,
+                  workload_args: dict[str, Any]) -> dict[str, Any]:
+    """*cases*: stall case name -> the probes to run for it."""
     res: dict[str, Any] = {}
     for rep in range(reps):
         for name, v, window in STALL_CASES:
-            if name not in cases:
-                continue
-            for probe in ("tick", "launch"):
+            for probe in cases.get(name, ()):
                 spec: dict[str, Any] = {"task": "stall", "variant": v, "window": window,
-                                        "probe": probe, "idle_s": IDLE_S}
+                                        "probe": probe, "idle_s": IDLE_S,
+                                        "workload_args": workload_args}
                 if v.startswith("acc"):
                     spec["acc_dir"] = runner.fresh(f"{v}-cache")
                 if v == "pyopencl":
@@ -412,343 +436,184 @@ def measure_throughput(
     return res
 
 
-# }}}
+def default_ranks(cores: int) -> list[int]:
+    """1, then powers of two from 4, then every core: 2 cores -> 1, 2; 16 -> 1, 4, 8, 16."""
+    out = [1] + [r for r in (4, 8, 16, 32, 64, 128) if r < cores] + [cores]
+    return sorted(set(out))
 
 
-# {{{ report
-
-
-def _s(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f} s"
-
-
-def _ms(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1f} ms"
-
-
-def _num(x: float | None, digits: int = 2) -> str:
-    if x is None:
-        return "—"
-    if abs(x) >= 100:
-        return f"{x:.0f}"
-    return f"{x:.{digits}f}"
-
-
-def _vals(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> list:
-    out = []
-    for r in runs:
-        if r.get("error"):
-            continue
-        with contextlib.suppress(KeyError, TypeError):
-            out.append(get(r))
-    return out
-
-
-def _cell(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], Any], digits: int = 2) -> str:
-    if not runs:
-        return "—"
-    errors = [r["error"] for r in runs if r.get("error")]
-    m = _median(_vals(runs, get))
-    if m is None:
-        return "crash" if errors else "—"
-    s = _num(m, digits)
-    if errors:
-        s += f" ({len(errors)}/{len(runs)} failed)"
-    return s
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _met(value: float | None, target: float) -> str:
-    if value is None:
-        return "?"
-    return "yes" if value <= target else "**no**"
-
-
-class Table:
-    def __init__(self, variants: list[str]) -> None:
-        self.variants = variants
-        self.rows: list[list[str]] = []
-        self.targets: list[dict[str, Any]] = []
-
-    def add(self, label: str, cells: dict[str, str], ratio: str = "", target: str = "",
-            met: str = "") -> None:
-        self.rows.append([label] + [cells.get(v, "—") for v in self.variants]
-                         + [ratio, target, met])
-
-    def md(self) -> str:
-        head = ["measurement"] + [HEAD[v] for v in self.variants] + ["acc ratio", "target", "met"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
-        return "\n".join(lines)
-
-
-def build_table(R: dict[str, Any], variants: list[str]) -> tuple[Table, dict[str, Any]]:
-    t = Table(variants)
-    summary: dict[str, Any] = {}
-
-    def fr(r: dict[str, Any]) -> float:
-        return r["first_result_s"]
-
-    for wl, label in (("seed", "seed (N=1000)"), ("multi", "multi-program")):
-        res = R.get(f"first_result_{wl}")
-        if not res:
-            continue
-        cold = {v: _median(_vals(res[v]["cold"], fr)) for v in res}
-        warm = {v: _median(_vals(res[v]["warm"], fr)) for v in res}
-        base = cold.get("nocache")
-        cold_ratio = cold["acc"] / base if base and cold.get("acc") else None
-        warm_ratio = warm["acc"] / base if base and warm.get("acc") else None
-        summary[f"{wl}_cold_ratio"] = cold_ratio
-        summary[f"{wl}_warm_ratio"] = warm_ratio
-        n = max(len(res[v]["cold"]) for v in res)
-        t.add(f"1 {label}: cold first result [s] (median of {n})",
-              {v: _cell(res[v]["cold"], fr) for v in res},
-              f"acc/no-cache {_num(cold_ratio, 3)}", "≤ 1.05", _met(cold_ratio, 1.05))
-        t.add(f"1 {label}: warm first result, new node [s]",
-              {v: _cell(res[v]["warm"], fr, 3) for v in res if v != "nocache"}
-              | {"nocache": "(= cold)"})
-        t.add(f"1 {label}: warm / no-cache cold",
-              {v: _num(warm[v] / base, 3) for v in res if v != "nocache" and warm.get(v) and base},
-              f"{_num(warm_ratio, 3)}", "≤ 0.05", _met(warm_ratio, 0.05))
-        t.add(f"1 {label}: untimed background work after it (flush + close) [s]",
-              {v: _cell(res[v]["cold"], lambda r: r["flush_s"] + r["close_s"])
-               for v in res if v.startswith("acc")})
-
-    st = R.get("stall")
-    if st:
-        def w(name: str, probe: str, key: str = "max_ms", digits: int = 1) -> str:
-            runs = st.get(name, {}).get(probe, [])
-            return _cell(runs, lambda r: r["window"][key], digits)
-
-        def wv(name: str, probe: str, key: str = "max_ms") -> float | None:
-            runs = st.get(name, {}).get(probe, [])
-            return _median(_vals(runs, lambda r: r["window"][key]))
-
-        def base(name: str, probe: str) -> str:
-            runs = st.get(name, {}).get(probe, [])
-            return _cell(runs, lambda r: r["baseline"]["max_ms"], 1) if runs else "n/a"
-
-        def idle(probe: str) -> str:
-            cell = w("idle", probe)
-            return cell if cell == "—" else cell + f" (idle {IDLE_S:.0f} s)"
-
-        a_tick = wv("acc-after-launch", "tick")
-        a_launch = wv("acc-after-launch", "launch")
-        b_tick = wv("acc-after-build", "tick")
-        b_launch = wv("acc-after-build", "launch")
-        summary.update(stall_tick_ms=a_tick, stall_launch_ms=a_launch,
-                       stall_tick_whole_ms=b_tick, stall_launch_whole_ms=b_launch)
-        t.add("2a longest main-loop gap, after first launch until flush() [ms]",
-              {"nocache": idle("tick"), "acc": w("acc-after-launch", "tick")},
-              _num(a_tick, 1), "≤ 5", _met(a_tick, 5))
-        t.add("2a longest main-loop gap, whole binary work [ms]",
-              {"pyopencl": w("pyopencl-thread-build", "tick") + " (build in a thread)",
-               "acc": w("acc-after-build", "tick"),
-               "acc-thread": w("acc-thread-after-build", "tick")},
-              _num(b_tick, 1), "≤ 5", _met(b_tick, 5))
-        t.add("2b longest launch of a compiled small kernel, after first launch until flush() [ms]",
-              {"nocache": idle("launch"),
-               "acc": w("acc-after-launch", "launch")},
-              _num(a_launch, 1), "≤ 5", _met(a_launch, 5))
-        t.add("2b longest launch of a compiled small kernel, whole binary work [ms]",
-              {"pyopencl": w("pyopencl-thread-build", "launch") + " (build in a thread)",
-               "acc": w("acc-after-build", "launch"),
-               "acc-thread": w("acc-thread-after-build", "launch")},
-              _num(b_launch, 1), "≤ 5", _met(b_launch, 5))
-        def over(name: str) -> str:
-            runs = st.get(name, {}).get("launch", [])
-            n = _median(_vals(runs, lambda r: r["window"]["over_5ms"]))
-            tot = _median(_vals(runs, lambda r: r["window"]["launches"]))
-            return "—" if n is None else f"{n:.0f} of {tot:.0f}"
-
-        t.add("2b launches over 5 ms, whole binary work (idle: same probe, no background work)",
-              {"nocache": over("idle"), "pyopencl": over("pyopencl-thread-build"),
-               "acc": over("acc-after-build"), "acc-thread": over("acc-thread-after-build")})
-        t.add("2b median launch, whole binary work [ms]",
-              {"nocache": w("idle", "launch", "median_ms", 3),
-               "pyopencl": w("pyopencl-thread-build", "launch", "median_ms", 3),
-               "acc": w("acc-after-build", "launch", "median_ms", 3),
-               "acc-thread": w("acc-thread-after-build", "launch", "median_ms", 3)})
-        t.add("2 same probes before any background work: max gap / max launch [ms]",
-              {"nocache": base("idle", "tick") + " / " + base("idle", "launch"),
-               "pyopencl": base("pyopencl-thread-build", "tick") + " / "
-               + base("pyopencl-thread-build", "launch"),
-               "acc": base("acc-after-build", "tick") + " / " + base("acc-after-build", "launch"),
-               "acc-thread": base("acc-thread-after-build", "tick") + " / "
-               + base("acc-thread-after-build", "launch")})
-        t.add("2 window length: after first launch / whole work, tick probe [s]",
-              {"acc": w("acc-after-launch", "tick", "window_s") + " / "
-               + w("acc-after-build", "tick", "window_s"),
-               "pyopencl": "— / " + w("pyopencl-thread-build", "tick", "window_s"),
-               "acc-thread": "— / " + w("acc-thread-after-build", "tick", "window_s")})
-
-    for key in ("throughput_1", "throughput_2"):
-        tp = R.get(key)
-        if not tp:
-            continue
-        any_runs = next(iter(tp.values()))
-        if not any_runs:
-            continue
-        ranks, progs = any_runs[0]["ranks"], any_runs[0]["programs"]
-        what = (f"{progs} programs, 1 process" if ranks == 1
-                else f"{progs} programs, {ranks} concurrent processes (no idle core)")
-        walls = {v: _median(_vals(tp[v], lambda r: r["wall_s"])) for v in tp}
-        cpus = {v: _median(_vals(tp[v], lambda r: r["cpu_s"])) for v in tp}
-        ratio = _ratio(walls.get("acc"), walls.get("nocache"))
-        cratio = _ratio(cpus.get("acc"), cpus.get("nocache"))
-        summary[f"{key}_wall_ratio"] = ratio
-        summary[f"{key}_cpu_ratio"] = cratio
-        n = max(len(x) for x in tp.values())
-        t.add(f"3 {what}: wall incl. exit [s] (median of {n})",
-              {v: _cell(tp[v], lambda r: r["wall_s"], 1) for v in tp},
-              f"acc/no-cache {_num(ratio, 3)}", "≤ 1.05", _met(ratio, 1.05))
-        t.add(f"3 {what}: CPU user+sys, all processes [s]",
-              {v: _cell(tp[v], lambda r: r["cpu_s"], 1) for v in tp},
-              f"acc/no-cache {_num(cratio, 3)}")
-        t.add(f"3 {what}: of which: program work / end of work to exit [s]",
-              {v: _cell(tp[v], lambda r: r["work_s"], 1) + " / "
-               + _cell(tp[v], lambda r: r["exit_s"], 1) for v in tp})
-        t.add(f"3 {what}: entries written by exit",
-              {v: _cell(tp[v], lambda r: r["entries"], 0) + f" / {progs}"
-               for v in tp if v != "nocache"})
-    return t, summary
-
-
-def details_md(R: dict[str, Any]) -> str:
-    """Every repetition's value of the main rows, so the spread is visible."""
-    lines = []
-
-    def fmt(xs: list[Any]) -> str:
-        return ", ".join("fail" if x is None else f"{x:.3g}" for x in xs) or "—"
-
-    def get(r: dict[str, Any], key: str) -> float | None:
-        return None if r.get("error") else r.get(key)
-
-    for wl in ("seed", "multi"):
-        res = R.get(f"first_result_{wl}")
-        if not res:
-            continue
-        for v, d in res.items():
-            cold = fmt([get(r, "first_result_s") for r in d["cold"]])
-            warm = fmt([get(r, "first_result_s") for r in d["warm"]])
-            lines.append(f"- {wl} {HEAD[v]}: cold [{cold}] s; warm [{warm}] s")
-    st = R.get("stall") or {}
-    for name, probes in st.items():
-        for probe, runs in probes.items():
-            xs = [None if r.get("error") else (r.get("window") or {}).get("max_ms") for r in runs]
-            lines.append(f"- stall {name} {probe}: max [{fmt(xs)}] ms")
-    for key in ("throughput_1", "throughput_2"):
-        for v, runs in (R.get(key) or {}).items():
-            entries = ", ".join(str(r["entries"]) for r in runs)
-            errors = ", ".join(str(r.get("background_errors")) for r in runs)
-            lines.append(f"- {key} {HEAD[v]}: wall [{fmt([r['wall_s'] for r in runs])}] s, "
-                         f"cpu [{fmt([r['cpu_s'] for r in runs])}] s, entries [{entries}], "
-                         f"stats.errors at exit [{errors}]")
-    return "\n".join(lines)
-
-
-def write_report(out: Path, R: dict[str, Any], args: argparse.Namespace) -> str:
-    variants = [v for v in VARIANTS if v in args.variants_used]
-    table, summary = build_table(R, variants)
-    R["summary"] = summary
-    md = [
-        "# asyncclcache benchmarks" + (" (--quick)" if args.quick else ""),
-        "",
-        f"Run {R['started']}, {R.get('duration_s', 0) / 60:.1f} min. "
-        "Each number is the median over repetitions; every measurement is a fresh process "
-        "with a fresh POCL_CACHE_DIR. Raw numbers: results.json. Rows: benchmarks/README.md.",
-        "",
-        "## Machine",
-        "",
-        machine_md(R["machine"]),
-        "",
-        "## Results",
-        "",
-        table.md(),
-        "",
-        "## Every repetition",
-        "",
-        details_md(R),
-        "",
-    ]
-    text = "\n".join(md)
-    (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps(R, indent=1, default=str))
-    return text
+def measure_ranks(runner: Runner, ranks: list[int], variants: list[str], n: int, reps: int,
+                  threads: int, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """R processes at once, one per core, each its own new node; per-rank time to the
+    seed kernel's first result, cold then warm (a new node again, except for the
+    driver's own cache, which can only help on the same node)."""
+    res: dict[str, Any] = {"n": n, "reps": reps, "threads_per_rank": threads, "rows": {}}
+    for rep in range(reps):
+        for R in ranks:
+            row = res["rows"].setdefault(str(R), {})
+            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+            for v in order:
+                acc_dir = runner.fresh(f"{v}-cache") if v.startswith("acc") else None
+                nodes = [runner.node() for _ in range(R)]
+                cl_dirs = [runner.fresh("pyopencl-cache") for _ in range(R)]
+                msg = f"R={R} rep {rep + 1}/{reps} {v:10s}"
+                for phase in ("cold", "warm"):
+                    if phase == "warm" and v == "nocache":
+                        continue
+                    start_at = time.time() + 1.5 + 0.25 * R
+                    specs = []
+                    for r in range(R):
+                        spec: dict[str, Any] = {
+                            "task": "first_result", "variant": v, "workload": "seed",
+                            "workload_args": {"n": n}, "start_at": start_at,
+                            "acc_dir": acc_dir, "pyopencl_dir": cl_dirs[r]}
+                        node = nodes[r] if phase == "cold" or v == "default" else None
+                        specs.append(dict(spec, _env=runner.env(
+                            v, node, PMI_RANK=str(r), PMI_SIZE=str(R),
+                            POCL_MAX_PTHREAD_COUNT=str(threads))))
+                    rs = runner.run(specs, timeout=900)
+                    firsts = [r.get("first_result_s") for r in rs]
+                    ok = [x for x in firsts if x is not None]
+                    one: dict[str, Any] = {
+                        "per_rank": firsts,
+                        "median": report.median(ok) if len(ok) == R else None,
+                        "max": max(ok) if len(ok) == R else None,
+                        "cpu_s": rs[0]["group_cpu_s"],
+                        "wall_s": max(r["wall_s"] for r in rs),
+                        "error": next((r["error"] for r in rs if r.get("error")), None),
+                    }
+                    if v.startswith("acc"):
+                        for k in ("warmups", "writes", "hits", "misses", "skipped"):
+                            one[k] = sum((r.get("stats_final") or {}).get(k, 0) for r in rs)
+                    row.setdefault(v, {"cold": [], "warm": []})[phase].append(one)
+                    msg += (f" | {phase} median {_s(one['median'])} max {_s(one['max'])}"
+                            f" cpu {_s(one['cpu_s'])}")
+                    if "warmups" in one and phase == "cold":
+                        msg += f", {one['warmups']} warm-ups"
+                log(msg)
+            save(res)
+    return res
 
 
 # }}}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 repetition, fewer variants (3-5 min)")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="asyncclcache bench", description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="1 repetition, fewer variants and rows (under 5 min on 2 cores)")
     ap.add_argument("--out", default=str(HERE / "out"), help="output directory")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
-    ap.add_argument("--only", default="first,stall,throughput",
-                    help="comma-separated subset of: seed, multi, stall, throughput "
-                         "('first' = seed,multi)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="repetitions (default 3, quick 1; stall, throughput, ranks: at most 2)")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help="comma-separated sections: " + ", ".join(SECTIONS)
+                    + " ('first' = seed,multi)")
+    ap.add_argument("--ranks", default=None,
+                    help="rank counts, e.g. 1,4,8,16 (default: 1, powers of two from 4, "
+                         "and the number of cores)")
+    ap.add_argument("--n", type=int, default=1000,
+                    help="statements in the seed kernel (1000: about 5 s of pocl compile)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directories")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the children")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     reps = args.reps or (1 if args.quick else 3)
-    only = set(args.only.replace("first", "seed,multi").split(","))
+    only = args.only.replace("first", "seed,multi").split(",")
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+    if args.quick:
+        only = [s for s in only if s != "multi"]
+    sections = [s for s in SECTIONS if s in only]
+    global log
+    log = Progress(sections)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
-    if logs.exists():
-        shutil.rmtree(logs)
+    shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir()
     work = Path(tempfile.mkdtemp(prefix="acc-bench-"))
     runner = Runner(work, logs, args.python)
-    args.variants_used = set()
+    full = not args.quick
     R: dict[str, Any] = {
+        "command": "asyncclcache bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "args": {"quick": args.quick, "reps": reps, "only": sorted(only)},
+        "args": {"quick": args.quick, "reps": reps, "only": sections, "n": args.n},
+        "workloads": {"seed": f"(N={args.n})", "multi": "(59 kernels)"},
+        "variants_used": [],
     }
     t_start = time.perf_counter()
-    try:
-        R["machine"] = describe(runner)
-        log(f"machine: {R['machine'].get('cpu')}, {R['machine'].get('cores')} cores, "
-            f"{R['machine'].get('platform_version')}, pyopencl {R['machine'].get('pyopencl')}")
-        full = not args.quick
-        if "seed" in only:
-            v = VARIANTS if full else ["nocache", "pyopencl", "acc"]
-            args.variants_used |= set(v)
-            R["first_result_seed"] = measure_first_result(runner, "seed", v, reps, reps)
-            write_report(out, R, args)
-        if "multi" in only:
-            v = VARIANTS if full else ["nocache", "pyopencl", "acc"]
-            args.variants_used |= set(v)
-            R["first_result_multi"] = measure_first_result(runner, "multi", v, reps, 1)
-            write_report(out, R, args)
-        if "stall" in only:
-            cases = [c[0] for c in STALL_CASES]
-            if not full:
-                cases = ["acc-after-launch", "acc-after-build", "pyopencl-thread-build"]
-            args.variants_used |= {c[1] for c in STALL_CASES if c[0] in cases}
-            R["stall"] = measure_stall(runner, cases, min(reps, 2))
-            write_report(out, R, args)
-        if "throughput" in only:
-            v = ["nocache", "pyopencl", "acc"] if full else ["nocache", "acc"]
-            args.variants_used |= set(v)
-            tp_reps = min(reps, 2)
-            R["throughput_1"] = measure_throughput(runner, v, 200, 1, tp_reps, {"pyopencl": 1})
-            write_report(out, R, args)
-            if full:
-                R["throughput_2"] = measure_throughput(runner, ["nocache", "acc"], 200, 2, tp_reps)
-    finally:
+
+    def save(section: str | None = None, value: Any = None) -> None:
+        if section:
+            R[section] = value
         R["duration_s"] = time.perf_counter() - t_start
+        report.write(out, R)
+
+    def use(vs: list[str]) -> list[str]:
+        R["variants_used"] = sorted(set(R["variants_used"]) | set(vs))
+        return vs
+
+    try:
+        R["machine"] = m = describe(runner)
+        print(f"machine: {m.get('cpu')}, {m.get('cores')} cores; {m.get('platform_version')}; "
+              f"{m.get('device_name')}; pyopencl {m.get('pyopencl')}; auto = "
+              f"{m.get('auto_strategy')}", flush=True)
+        if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+            print(f"warning: load average {os.getloadavg()[0]:.1f} at start: other work will "
+                  "show up in the numbers", flush=True)
+        seed_args = {"n": args.n}
+        if "seed" in sections:
+            log.section("seed")
+            v = use(VARIANTS if full else ["nocache", "default", "pyopencl", "acc"])
+            save("first_result_seed",
+                 measure_first_result(runner, "seed", v, reps, reps, seed_args))
+        if "multi" in sections:
+            log.section("multi")
+            v = use(VARIANTS)
+            save("first_result_multi", measure_first_result(runner, "multi", v, reps, 1))
+        if "stall" in sections:
+            log.section("stall")
+            both = ("tick", "launch")
+            cases = {c[0]: both for c in STALL_CASES} if full else {
+                "acc-after-build": both, "acc-thread-after-build": ("launch",),
+                "pyopencl-thread-build": ("launch",)}
+            use([c[1] for c in STALL_CASES if c[0] in cases])
+            save("stall", measure_stall(runner, cases, min(reps, 2), seed_args))
+        if "throughput" in sections:
+            log.section("throughput")
+            v = use(["nocache", "pyopencl", "acc"] if full else ["nocache", "acc"])
+            progs = 200 if full else 100
+            tp_reps = min(reps, 2)
+            save("throughput_1",
+                 measure_throughput(runner, v, progs, 1, tp_reps, {"pyopencl": 1}))
+            if full:
+                save("throughput_2",
+                     measure_throughput(runner, ["nocache", "acc"], progs, 2, tp_reps))
+        if "ranks" in sections:
+            log.section("ranks")
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+                os.cpu_count() or 1)
+            ranks = ([int(x) for x in args.ranks.split(",")] if args.ranks
+                     else default_ranks(cores))
+            v = RANK_VARIANTS if full else ["nocache", "acc", "acc-shared"]
+            use([x for x in v if x != "acc-shared"])
+            R["ranks"] = measure_ranks(runner, ranks, v, args.n, min(reps, 2), 1,
+                                       lambda res: save("ranks", res))
+    except KeyboardInterrupt:
+        print("interrupted: writing what was measured", flush=True)
+    finally:
         if "machine" in R:
             R["machine"]["loadavg_end"] = os.getloadavg()
-            text = write_report(out, R, args)
+            R["duration_s"] = time.perf_counter() - t_start
+            text = report.write(out, R)
             print()
             print(text)
-            print(f"written: {out / 'results.md'}, {out / 'results.json'}, logs in {logs}")
+            print(f"written: {out / 'report.md'}, {out / 'report.json'} "
+                  f"(plots: {', '.join(p.name for p in sorted(out.glob('*.png'))) or 'none'}); "
+                  f"logs in {logs}")
         if args.keep:
             print(f"scratch directories kept in {work}")
         else:

@@ -313,14 +313,26 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
-    if not root.exists():
-        raise UsageError("the benchmarks ship with the source tree: run from a checkout")
-    import runpy
+    return bench(args.bench_args)
 
-    sys.argv = [str(root), *(["--quick"] if args.quick else []), *(["--out", str(args.out)] if args.out else [])]
-    runpy.run_path(str(root), run_name="__main__")
-    return EXIT_OK
+
+def bench(argv: list[str]) -> int:
+    """``asyncclcache bench ARGS``: benchmarks/run.py's ``main(ARGS)``."""
+    # The benchmarks live in the source tree (benchmarks/run.py), next to src/.
+    run = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
+    if not run.exists():
+        raise UsageError(
+            "the benchmarks ship with the source tree: install from a checkout "
+            "(pip install -e .) and run it there"
+        )
+    import importlib.util
+
+    sys.path.insert(0, str(run.parent))
+    spec = importlib.util.spec_from_file_location("asyncclcache_bench_run", run)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(argv))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -360,16 +372,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", parents=[common], help="lifetime counters of the directory")
     p.add_argument("--reset", action="store_true", help="zero them")
     p.set_defaults(func=cmd_stats)
-    p = sub.add_parser("bench", help="run the benchmarks (from a source checkout)")
-    p.add_argument("--quick", action="store_true", help="a short run (a few minutes)")
-    p.add_argument("--out", type=Path, help="where to write report.md and report.json")
+    p = sub.add_parser(
+        "bench",
+        add_help=False,
+        help="run the benchmarks, write report.md/.json and plots "
+        "([--quick] [--out DIR]; bench --help for more)",
+    )
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncclcache`` command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv[:1] == ["bench"]:  # every option belongs to the benchmark's own parser
+        try:
+            return bench(argv[1:])
+        except UsageError as e:
+            print(f"asyncclcache: {e}", file=sys.stderr)
+            return EXIT_USAGE
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
