@@ -155,9 +155,8 @@ def first_result_table(R: dict[str, Any], variants: list[str], summary: dict[str
         n = (R.get("workloads") or {}).get(wl, "")
         cold = {v: cell(res[v]["cold"], fr) for v in res}
         warm = {v: cell(res[v]["warm"], fr, 3) for v in res if v != "nocache"}
-        for v in warm:
-            if v == "default":
-                warm[v].text += SAME_NODE
+        if "default" in warm:
+            warm["default"].text += SAME_NODE
         warm["nocache"] = Cell(None, "(= cold)")
         base = cold.get("nocache", Cell(None)).value
         acc_cold = cold.get("acc", Cell(None)).value

@@ -329,7 +329,8 @@ def bench(argv: list[str]) -> int:
 
     sys.path.insert(0, str(run.parent))
     spec = importlib.util.spec_from_file_location("asyncclcache_bench_run", run)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot load {run}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return int(module.main(argv))
