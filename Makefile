@@ -9,12 +9,12 @@ demo:
 	$(PY) examples/simulation.py
 
 test:
-	@scripts/setup.sh test,mpi
+	@scripts/setup.sh test,mpi,plot
 	$(PY) -m pytest -q
 
 bench:
-	@scripts/setup.sh
-	$(PY) benchmarks/run.py
+	@scripts/setup.sh plot
+	$(PY) -m asyncclcache bench
 
 lint:
 	@scripts/setup.sh dev

@@ -1,0 +1,126 @@
+"""``asyncclcache bench``, run as a user runs it, on small kernels (real pocl, real processes).
+
+Speed is the benchmark's business, not the tests': these check that the command measures
+what it says (every variant ran and produced a checked result, the warm runs hit, the
+rank-local and shared modes warm up as many times as they should) and that the report
+says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncclcache.ranks import RANK_ENV_VARS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV_VARS}
+    env["PYOPENCL_CTX"] = "portable"  # pocl, whatever else is installed
+    return subprocess.run(
+        [sys.executable, "-m", "asyncclcache", "bench", *args],
+        capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("bench")
+    r = bench("--quick", "--only", "seed,ranks", "--ranks", "2", "--n", "20", "--out", str(out))
+    return out, r
+
+
+def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
+    out, r = quick_run
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[" in r.stdout and "1/2 seed]" in r.stdout and "2/2 ranks]" in r.stdout  # progress
+    R = json.loads((out / "report.json").read_text())
+    assert R["machine"]["auto_strategy"] == "process"  # pocl's CPU device
+    seed = R["first_result_seed"]
+    assert set(seed) == {"nocache", "default", "pyopencl", "acc"}
+    for v, runs in seed.items():
+        assert len(runs["cold"]) == 1
+        for run in runs["cold"] + runs["warm"]:
+            assert not run.get("error"), (v, run.get("log_tail"))
+            assert run["first_result_s"] > 0 and run["programs"] == 1  # checked by the child
+        assert len(runs["warm"]) == (0 if v == "nocache" else 1)
+    acc_cold, acc_warm = seed["acc"]["cold"][0], seed["acc"]["warm"][0]
+    assert acc_cold["strategies_used"] == ["process"]
+    assert acc_cold["entries"] == 1 and acc_cold["stats_final"]["writes"] == 1
+    assert acc_warm["stats_timed"]["hits"] == 1 and acc_warm["stats_timed"]["misses"] == 0
+
+
+def test_rank_sweep_warms_up_once_per_rank_or_once_shared(quick_run: tuple[Path, Any]) -> None:
+    out, r = quick_run
+    assert r.returncode == 0, r.stdout[-3000:]
+    rows = json.loads((out / "report.json").read_text())["ranks"]["rows"]
+    assert set(rows) == {"2"}
+    row = rows["2"]
+    assert set(row) == {"nocache", "acc", "acc-shared"}
+    for v, phases in row.items():
+        for run in phases["cold"] + phases["warm"]:
+            assert not run["error"], (v, run)
+            assert len(run["per_rank"]) == 2 and all(t > 0 for t in run["per_rank"])
+    # Rank-local: each rank warms up and writes its own entry; shared: one claim wins.
+    assert row["acc"]["cold"][0]["warmups"] == 2 and row["acc"]["cold"][0]["writes"] == 2
+    shared = row["acc-shared"]["cold"][0]
+    assert shared["warmups"] == 1 and shared["writes"] == 1
+    assert shared["skipped"] + shared["hits"] == 1  # the other rank skipped (or came late)
+    for v in ("acc", "acc-shared"):
+        warm = row[v]["warm"][0]
+        assert warm["hits"] == 2 and warm["misses"] == 0 and warm["warmups"] == 0
+
+
+def test_report_marks_best_explains_auto_and_plots(quick_run: tuple[Path, Any]) -> None:
+    out, r = quick_run
+    assert r.returncode == 0
+    md = (out / "report.md").read_text()
+    assert "## Machine" in md and "Portable Computing Language" in md
+    assert "**Why `auto` picks `process` on this driver:**" in md
+    cold_row = next(line for line in md.splitlines() if "**cold** first result" in line)
+    cells = cold_row.split("|")[2:6]  # no cache, driver cache, pyopencl cache, acc
+    assert sum("**" in c for c in cells) >= 1, cold_row  # the lowest is bold
+    assert "## Ranks on one node" in md and "R=2: **cold**" in md
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    if has_mpl:
+        assert pngs == ["cold_warm.png", "first_result.png", "ranks.png"]
+        assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+        assert "![ranks](ranks.png)" in md
+    else:
+        assert pngs == [] and "## Plots" not in md
+
+
+def test_report_re_renders_from_json(quick_run: tuple[Path, Any]) -> None:
+    out, r = quick_run
+    assert r.returncode == 0
+    before = (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    rr = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), str(out)],
+                        capture_output=True, text=True, check=False, timeout=120)
+    assert rr.returncode == 0, rr.stderr
+    assert (out / "report.md").read_text() == before
+
+
+@pytest.mark.parametrize("args", [["--only", "seed,nonsense"], ["--reps", "many"]])
+def test_bad_arguments_exit_2(args: list[str], tmp_path: Path) -> None:
+    r = bench(*args, "--out", str(tmp_path), timeout=60)
+    assert r.returncode == 2
+    assert "usage: asyncclcache bench" in r.stderr
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_help_lists_the_options() -> None:
+    r = bench("--help", timeout=60)
+    assert r.returncode == 0
+    for opt in ("--quick", "--out", "--only", "--ranks"):
+        assert opt in r.stdout
