@@ -327,7 +327,6 @@ def bench(argv: list[str]) -> int:
         )
     import importlib.util
 
-    sys.path.insert(0, str(run.parent))
     spec = importlib.util.spec_from_file_location("asyncclcache_bench_run", run)
     if spec is None or spec.loader is None:
         raise UsageError(f"cannot load {run}")
