@@ -69,3 +69,33 @@ def test_lifetime_stats_saved_at_flush_and_close(cl_ctx, cache_dir):
     cache.close()
     saved = lifetime.read(cache.directory)
     assert (saved["runs"], saved["misses"]) == (1, 2)
+
+
+def test_import_and_a_warm_hit_leave_filelock_unloaded(cl_ctx, cache_dir):
+    """Locks are only taken in the background (and at flush): a warm start does not pay
+    for importing filelock (which pulls in asyncio)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    src = small_source("lazy", salt="filelock-stays-unloaded")
+    cache = acc.Cache(cache_dir, rank_local=False)
+    prg = cache.program(cl_ctx, src).build()
+    assert run_twice(cl_ctx, prg, "lazy")
+    assert cache.close(120) and cache.stats().writes == 1
+    code = textwrap.dedent(f"""
+        import sys
+        import asyncclcache as acc
+        assert "filelock" not in sys.modules, "imported by: import asyncclcache"
+        import pyopencl as cl
+        plat = [p for p in cl.get_platforms() if p.name == "Portable Computing Language"][0]
+        ctx = cl.Context(plat.get_devices()[:1])
+        cache = acc.Cache({str(cache_dir)!r}, rank_local=False)
+        cache.program(ctx, {src!r}).build()
+        assert cache.stats().hits == 1, cache.stats()
+        print("filelock" in sys.modules)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

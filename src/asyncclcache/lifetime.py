@@ -15,8 +15,6 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-import filelock
-
 __all__ = ["FIELDS", "add", "read", "reset"]
 
 logger = logging.getLogger(__name__)
@@ -63,6 +61,8 @@ def add(root: str | os.PathLike[str], deltas: Mapping[str, float], *, timeout: f
     if not deltas:
         return True
     root = Path(root)
+    import filelock  # lazily, like store.py: off the import path of a warm start
+
     lock = filelock.FileLock(str(root / STATS_LOCK), timeout=timeout, mode=0o600)
     try:
         with lock:
@@ -79,6 +79,8 @@ def add(root: str | os.PathLike[str], deltas: Mapping[str, float], *, timeout: f
 def reset(root: str | os.PathLike[str]) -> None:
     """Zero the counters at ``root``."""
     root = Path(root)
+    import filelock
+
     with filelock.FileLock(str(root / STATS_LOCK), timeout=10, mode=0o600):
         _write(root, dict.fromkeys(FIELDS, 0))
 
