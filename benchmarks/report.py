@@ -38,6 +38,7 @@ LEGEND = {
     "acc-shared": "asyncclcache `auto`, one directory for all ranks (`acc` is rank-local)",
 }
 SAME_NODE = "†"
+PLOTS = ("first_result", "cold_warm", "ranks")
 #: One colour per variant in every plot.
 COLOR = {"nocache": "C7", "default": "C5", "pyopencl": "C3", "acc": "C0", "acc-sync": "C9",
          "acc-thread": "C1", "acc-shared": "C2"}
@@ -435,6 +436,8 @@ def render(R: dict[str, Any], plots: list[str]) -> str:
 
 def plot(out: Path, R: dict[str, Any]) -> list[str]:
     """PNG plots, when matplotlib is installed (the ``plot`` extra); returns their paths."""
+    for name in PLOTS:  # an earlier run's plot must not pass for this one's
+        (out / f"{name}.png").unlink(missing_ok=True)
     try:
         import matplotlib
 

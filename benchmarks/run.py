@@ -524,6 +524,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(only) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+    if reps < 1 or args.n < 1:
+        ap.error("--reps and --n must be at least 1")
+    ranks = None
+    if args.ranks:
+        try:
+            ranks = sorted({int(x) for x in args.ranks.split(",")})
+        except ValueError:
+            ap.error(f"--ranks wants numbers like 1,4,8,16, got {args.ranks!r}")
+        if ranks[0] < 1:
+            ap.error("--ranks: at least 1 rank")
     if args.quick:
         only = [s for s in only if s != "multi"]
     sections = [s for s in SECTIONS if s in only]
@@ -594,10 +604,10 @@ def main(argv: list[str] | None = None) -> int:
                      measure_throughput(runner, ["nocache", "acc"], progs, 2, tp_reps))
         if "ranks" in sections:
             log.section("ranks")
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-                os.cpu_count() or 1)
-            ranks = ([int(x) for x in args.ranks.split(",")] if args.ranks
-                     else default_ranks(cores))
+            if ranks is None:
+                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+                    os.cpu_count() or 1)
+                ranks = default_ranks(cores)
             v = RANK_VARIANTS if full else ["nocache", "acc", "acc-shared"]
             use([x for x in v if x != "acc-shared"])
             R["ranks"] = measure_ranks(runner, ranks, v, args.n, min(reps, 2), 1,

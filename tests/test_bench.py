@@ -100,7 +100,7 @@ def test_report_marks_best_explains_auto_and_plots(quick_run: tuple[Path, Any]) 
         assert pngs == [] and "## Plots" not in md
 
 
-def test_report_re_renders_from_json(quick_run: tuple[Path, Any]) -> None:
+def test_report_re_renders_from_json(quick_run: tuple[Path, Any], tmp_path: Path) -> None:
     out, r = quick_run
     assert r.returncode == 0
     before = (out / "report.md").read_text()
@@ -109,9 +109,21 @@ def test_report_re_renders_from_json(quick_run: tuple[Path, Any]) -> None:
                         capture_output=True, text=True, check=False, timeout=120)
     assert rr.returncode == 0, rr.stderr
     assert (out / "report.md").read_text() == before
+    # A report without the rank sweep loses the sweep's plot, not keeps a stale one.
+    other = tmp_path
+    R = json.loads((out / "report.json").read_text())
+    del R["ranks"]
+    (other / "report.json").write_text(json.dumps(R))
+    (other / "ranks.png").write_bytes(b"an earlier run's plot")
+    rr = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), str(other)],
+                        capture_output=True, text=True, check=False, timeout=120)
+    assert rr.returncode == 0, rr.stderr
+    assert not (other / "ranks.png").exists()
+    assert "## Ranks on one node" not in (other / "report.md").read_text()
 
 
-@pytest.mark.parametrize("args", [["--only", "seed,nonsense"], ["--reps", "many"]])
+@pytest.mark.parametrize("args", [["--only", "seed,nonsense"], ["--reps", "many"],
+                                  ["--ranks", "1,lots"], ["--ranks", "0"], ["--n", "0"]])
 def test_bad_arguments_exit_2(args: list[str], tmp_path: Path) -> None:
     r = bench(*args, "--out", str(tmp_path), timeout=60)
     assert r.returncode == 2
