@@ -57,6 +57,28 @@ def queue(cl_ctx: Any) -> Any:
     return cl.CommandQueue(cl_ctx)
 
 
+def run_in_threads(n: int, work: Any) -> list[BaseException]:
+    """Run ``work(i)`` for i in range(n) on n threads released together; what they raised."""
+    import threading
+
+    barrier = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            work(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def run_child(
     code: str,
     *args: str,

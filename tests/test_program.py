@@ -11,7 +11,7 @@ import pytest
 
 import asyncclcache as acc
 from asyncclcache.store import Store
-from conftest import child_json, run_child
+from conftest import child_json, run_child, run_in_threads
 from kernels import run_twice, small_source
 
 
@@ -205,30 +205,17 @@ def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir):
 
 
 def test_concurrent_builds_from_four_threads(cl_ctx, cache_dir):
-    import threading
-
     cache = acc.Cache(cache_dir)
     shared = small_source()
     sources = [small_source() for _ in range(4)]
     results: list[bool] = []
-    errors: list[BaseException] = []
-    start = threading.Barrier(4)
 
     def work(i: int) -> None:
-        try:
-            start.wait()
-            for src in (sources[i], shared):
-                prg = cache.program(cl_ctx, src).build()
-                results.append(run_twice(cl_ctx, prg))
-        except BaseException as e:
-            errors.append(e)
+        for src in (sources[i], shared):
+            prg = cache.program(cl_ctx, src).build()
+            results.append(run_twice(cl_ctx, prg))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_in_threads(4, work)
     assert results == [True] * 8
     assert cache.flush(180)
     keys = {e.key for e in Store(cache_dir).entries()}

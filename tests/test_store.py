@@ -48,7 +48,7 @@ from asyncclcache.store import (
     PublishResult,
     Store,
 )
-from conftest import ROOT, child_json, run_child, run_twice, small_source
+from conftest import ROOT, child_json, run_child, run_in_threads, run_twice, small_source
 
 IDENT = ({"platform_name": "test platform", "device_name": "test device", "driver_version": "1"},)
 NOBODY = 65534
@@ -299,27 +299,16 @@ def test_eight_processes_publish_the_same_keys(cache_dir: Path) -> None:
 def test_threads_publish_the_same_keys(store: Store, cache_dir: Path) -> None:
     keys = [key_of(f"threads {i}") for i in range(10)]
     results: list[PublishResult] = []
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(8)
 
     def work(t: int) -> None:
-        try:
-            barrier.wait()
-            for k in keys:
-                result = store.publish(make_entry(k, b"thread %d" % t))
-                results.append(result)
-                got = store.load(k, IDENT)  # a skip may come before the other's write ends
-                assert got is not None or result is PublishResult.SKIPPED
-                assert got is None or got.binaries[0].startswith(b"thread ")
-        except BaseException as e:
-            errors.append(e)
+        for k in keys:
+            result = store.publish(make_entry(k, b"thread %d" % t))
+            results.append(result)
+            got = store.load(k, IDENT)  # a skip may come before the other's write ends
+            assert got is not None or result is PublishResult.SKIPPED
+            assert got is None or got.binaries[0].startswith(b"thread ")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_in_threads(8, work) == []
     assert set(results) <= {PublishResult.WRITTEN, PublishResult.SKIPPED}
     assert len(results) == 80
     assert sorted(e.key for e in store.entries()) == sorted(keys)
