@@ -529,15 +529,16 @@ def plot(out: Path, R: dict[str, Any]) -> list[str]:
 # }}}
 
 
-def write(out: Path, R: dict[str, Any]) -> str:
-    """Write report.md, report.json and the plots into *out*; return the markdown."""
+def write(out: Path, R: dict[str, Any], *, plots: bool = True) -> str:
+    """Write report.md, report.json and (unless ``plots=False``) the plots into *out*;
+    return the markdown."""
     out.mkdir(parents=True, exist_ok=True)
-    plots: list[str] = []
+    pngs: list[str] = []
     try:
-        plots = plot(out, R)
+        pngs = plot(out, R) if plots else []
     except Exception as e:  # noqa: BLE001 - a plot must never cost the numbers
         print(f"plots skipped: {type(e).__name__}: {e}", file=sys.stderr)
-    text = render(R, plots)
+    text = render(R, pngs)
     (out / "report.md").write_text(text)
     tmp = out / "report.json.tmp"
     tmp.write_text(json.dumps(R, indent=1, default=str))

@@ -9,7 +9,8 @@ side in the same invocation, interleaved across repetitions. Sections: seed, mul
 (time to the first result, cold and warm), stall (the main thread while the binary
 work runs), throughput (many short-lived programs), ranks (R processes at once).
 Writes ``report.md``, ``report.json`` and, with matplotlib (the ``plot`` extra), PNG
-plots to ``--out`` (default benchmarks/out/), rewritten after every section.
+plots to ``--out`` (default benchmarks/out/); the numbers are rewritten after every
+section, the plots drawn at the end (or at Ctrl-C).
 See benchmarks/README.md.
 """
 
@@ -560,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         if section:
             R[section] = value
         R["duration_s"] = time.perf_counter() - t_start
-        report.write(out, R)
+        report.write(out, R, plots=False)  # the numbers so far; plots once, at the end
 
     def use(vs: list[str]) -> list[str]:
         R["variants_used"] = sorted(set(R["variants_used"]) | set(vs))
