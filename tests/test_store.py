@@ -409,6 +409,34 @@ def test_lock_of_killed_writer_does_not_block(killed_writer: tuple[str, Path]) -
     assert store.load(key, IDENT).binaries == (b"after the kill",)  # sweep kept the entry
 
 
+def test_sweep_running_alongside_never_makes_a_claim_skip(store: Store) -> None:
+    """A sweep takes each unheld lock file for a moment to probe it; a claim made at
+    that moment must still succeed (it used to skip, and the entry was not written)."""
+    stop = threading.Event()
+    sweeps = []
+
+    def sweeper() -> None:
+        while not stop.is_set():
+            sweeps.append(store.sweep())
+
+    t = threading.Thread(target=sweeper)
+    t.start()
+    skipped = 0
+    try:
+        for i in range(2000):
+            claim = store.claim(key_of(f"sweep race {i % 16}"))
+            if claim is None:
+                skipped += 1
+            else:
+                claim.release()
+    finally:
+        stop.set()
+        t.join()
+    assert len(sweeps) > 10  # the sweep really ran alongside
+    assert skipped == 0
+    assert store.orphans() == ([], [])
+
+
 def test_held_lock_means_skip(store: Store, cache_dir: Path) -> None:
     key = key_of("held")
     fanout = store.path_for(key).parent

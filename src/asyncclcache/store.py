@@ -14,7 +14,8 @@ Guarantees (thread- and process-safe):
 * One writer per key at a time: the per-key ``filelock`` is taken without
   blocking; a process that finds it held skips (someone else writes that entry).
   The lock file is removed before release, so lock files do not pile up.
-* Temp files of killed writers are swept (:meth:`Store.sweep`).
+* Temp and lock files of killed writers are swept (:meth:`Store.sweep`); a lock
+  file is removed while the sweep holds it, like a release does.
 * Entries are native code that pocl ``dlopen``\\ s: directories are 0700, entries
   0600, nothing owned by another user or writable by others is read, symlinks are
   not followed.
@@ -30,6 +31,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -60,6 +62,11 @@ TEMP_SUFFIX = ".partial"
 PRUNE_LOCK = "prune.lock"
 #: A temp file whose writer is gone, or older than this, is swept.
 TEMP_MAX_AGE = 3600.0
+#: Serializes this process's claims with its sweep's probes: a probe takes each unheld
+#: lock file for a moment, and must not do so between a claimer's creating the file and
+#: locking it (the claimer would skip; observed with a sweep thread). Across processes
+#: that window is microseconds; a probe landing in it costs one skipped write.
+_PROBING = threading.Lock()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # A FIFO planted where an entry should be would block open() for reading forever.
@@ -349,7 +356,8 @@ class Store:
 
         lock = filelock.FileLock(str(lock_path), timeout=0, mode=0o600, thread_local=False)
         try:
-            lock.acquire()
+            with _PROBING:
+                lock.acquire()
         except filelock.Timeout:
             logger.debug("entry %s is claimed by another process: skip", key)
             return None
@@ -451,8 +459,9 @@ class Store:
 
     def orphans(self) -> tuple[list[Path], list[Path]]:
         """Temp files whose writer is gone (or too old) and lock files nobody holds."""
-        import filelock
+        return self._orphans(remove_locks=False)
 
+    def _orphans(self, *, remove_locks: bool) -> tuple[list[Path], list[Path]]:
         temps: list[Path] = []
         locks: list[Path] = []
         now = time.time()
@@ -466,16 +475,8 @@ class Store:
                 alive = pid_text.isdigit() and _pid_alive(int(pid_text))
                 if not alive or age > TEMP_MAX_AGE:
                     temps.append(p)
-            elif name.endswith(LOCK_SUFFIX):
-                lock = filelock.FileLock(str(p), timeout=0)
-                try:
-                    lock.acquire()
-                except (filelock.Timeout, OSError):
-                    continue
-                try:
-                    locks.append(p)
-                finally:
-                    lock.release()
+            elif name.endswith(LOCK_SUFFIX) and _unheld(p, remove=remove_locks):
+                locks.append(p)
         return temps, locks
 
     def touch(self, key: str) -> None:
@@ -594,9 +595,9 @@ class Store:
 
     def sweep(self) -> int:
         """Remove orphaned temp and lock files; returns how many. Safe to run anytime."""
-        temps, locks = self.orphans()
-        n = 0
-        for p in temps + locks:
+        temps, locks = self._orphans(remove_locks=True)
+        n = len(locks)
+        for p in temps:
             try:
                 os.unlink(p)
                 n += 1
@@ -607,6 +608,38 @@ class Store:
         return n
 
     # }}}
+
+
+def _unheld(path: Path, *, remove: bool) -> bool:
+    """True if nobody holds the lock file at ``path``; with ``remove``, unlink it too.
+
+    Probes with its own ``flock`` on the existing file (a filelock would create a
+    missing one) and unlinks while holding it, as :meth:`Claim.release` does.
+    """
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        with _PROBING:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # held
+            try:
+                if not os.path.samestat(os.lstat(path), os.fstat(fd)):
+                    return False  # replaced meanwhile: that one is somebody's
+                if remove:
+                    os.unlink(path)
+            except OSError:
+                return False
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+    finally:
+        os.close(fd)
 
 
 class Claim:
