@@ -22,7 +22,10 @@ from conftest import ROOT, child_json, run_child
 RANK_RUN = r"""
 import json, os, sys
 rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
-os.environ["POCL_CACHE_DIR"] = os.path.join(sys.argv[2], f"pocl-rank{rank}")  # one per rank
+# argv[5] "own": one POCL_CACHE_DIR per rank (a node each); "shared": one for all ranks
+# (distinct programs then: pocl before 6.0 must not compile one program twice at once there).
+pocl_mode, distinct = (sys.argv[5], sys.argv[5] == "shared") if len(sys.argv) > 5 else ("own", False)
+os.environ["POCL_CACHE_DIR"] = os.path.join(sys.argv[2], f"pocl-rank{rank}" if pocl_mode == "own" else "pocl")
 from mpi4py import MPI
 import pyopencl as cl, asyncclcache as acc
 from kernels import small_source, run_twice
@@ -31,7 +34,7 @@ cache = acc.Cache(sys.argv[1], rank_local=(sys.argv[3] == "local"))
 ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
 ok = True
 for i in range(int(sys.argv[4])):
-    prg = cache.program(ctx, small_source(salt=f"mpi-{i}")).build()
+    prg = cache.program(ctx, small_source(salt=f"mpi-{rank}-{i}" if distinct else f"mpi-{i}")).build()
     ok = run_twice(ctx, prg) and ok
 flushed = cache.flush(180)
 total = cache.stats(comm=comm)
@@ -60,11 +63,12 @@ def _mpiexec() -> str | None:
     return exe if probe.returncode == 0 and probe.stdout.split() == ["2"] else None
 
 
-def _mpirun(n: int, *args: str, tmp: Path) -> dict:
+def _mpirun(n: int, *args: str, tmp: Path, strategy: str = "auto") -> dict:
     exe = _mpiexec()
     if exe is None:
         pytest.skip("MPI cannot start here (no mpiexec, or mpi4py missing: pip install '.[mpi]')")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               ASYNCCLCACHE_STRATEGY=strategy)
     env.pop("POCL_CACHE_DIR", None)
     proc = subprocess.run([exe, "-n", str(n), sys.executable, "-c", RANK_RUN, *args],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
@@ -81,12 +85,14 @@ def test_rank_local_directories(cache_dir, tmp_path):
     for d in dirs:  # each rank wrote its own entries
         assert len(list(Store(cache_dir, rank_local=False).entries())) == 0
         assert len([p for p in Path(d).rglob("*.acl")]) == 2
-    assert out["total"]["writes"] == 4 and out["total"]["warmups"] == 4
+    # auto is kcache on pocl: pocl's own folders are stored, nothing compiled for the cache.
+    assert out["total"]["writes"] == 4 and out["total"]["warmups"] == 0
 
 
 def test_shared_mode_one_warmup_per_key_then_all_hits(cache_dir, tmp_path):
     programs = 3
-    cold = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-cold"), "shared", str(programs), tmp=tmp_path)
+    cold = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-cold"), "shared", str(programs), tmp=tmp_path,
+                   strategy="process")
     assert all(r["ok"] and r["flushed"] for r in cold["rows"])
     assert len({r["dir"] for r in cold["rows"]}) == 1
     total = cold["total"]
@@ -96,9 +102,41 @@ def test_shared_mode_one_warmup_per_key_then_all_hits(cache_dir, tmp_path):
     assert total["skipped"] == 2 * programs
     assert cold["line"].startswith("asyncclcache: 0 hits, 9 misses, 3 writes")
 
-    warm = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-warm"), "shared", str(programs), tmp=tmp_path)
+    warm = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-warm"), "shared", str(programs), tmp=tmp_path,
+                   strategy="process")
     t = warm["total"]
     assert (t["hits"], t["misses"], t["writes"], t["warmups"]) == (3 * programs, 0, 0, 0)
+    assert all(r["ok"] for r in warm["rows"])
+
+
+def test_kcache_shared_directory_one_entry_per_key_then_all_hits(cache_dir, tmp_path):
+    # kcache writes within moments of the first launch, so a slower rank may already hit.
+    programs = 3
+    cold = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-cold"), "shared", str(programs), tmp=tmp_path)
+    assert all(r["ok"] and r["flushed"] for r in cold["rows"])
+    t = cold["total"]
+    assert t["writes"] == programs and t["warmups"] == 0 and t["unidentified"] == 0, cold["rows"]
+    assert t["hits"] + t["misses"] == 3 * programs
+    assert t["misses"] == t["writes"] + t["skipped"]  # every miss wrote, or left the key to another rank
+    assert len(list(Store(cache_dir, rank_local=False).entries())) == programs
+    warm = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-warm"), "shared", str(programs), tmp=tmp_path)
+    w = warm["total"]
+    assert (w["hits"], w["misses"], w["writes"], w["rejected"]) == (3 * programs, 0, 0, 0)
+    assert all(r["ok"] for r in warm["rows"])
+
+
+@pytest.mark.parametrize("mode", ["local", "shared"])
+def test_kcache_ranks_sharing_one_pocl_cache(cache_dir, tmp_path, mode):
+    # Two ranks, one POCL_CACHE_DIR, different programs built at the same time: each build
+    # must find its own folder among the other rank's, and every program hits next time.
+    programs = 3
+    cold = _mpirun(2, str(cache_dir), str(tmp_path / "cold"), mode, str(programs), "shared", tmp=tmp_path)
+    assert all(r["ok"] and r["flushed"] for r in cold["rows"])
+    t = cold["total"]
+    assert (t["misses"], t["writes"], t["unidentified"]) == (2 * programs, 2 * programs, 0), cold["rows"]
+    warm = _mpirun(2, str(cache_dir), str(tmp_path / "warm"), mode, str(programs), "shared", tmp=tmp_path)
+    w = warm["total"]
+    assert (w["hits"], w["misses"], w["rejected"]) == (2 * programs, 0, 0), warm["rows"]
     assert all(r["ok"] for r in warm["rows"])
 
 
@@ -108,7 +146,7 @@ import json, os, sys, time, signal
 import pyopencl as cl, asyncclcache as acc
 from kernels import seed_source
 ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
-cache = acc.Cache(sys.argv[1], rank_local=False)
+cache = acc.Cache(sys.argv[1], rank_local=False, strategy="process")   # the helper holds the claim for seconds
 cache.program(ctx, seed_source(1000, salt="claim-test")).build()
 lock = cache.store.path_for(cache._jobs and next(iter(cache._jobs))).with_suffix(".lock")
 while not lock.exists():     # the worker claims the key before the helper starts compiling
@@ -125,7 +163,7 @@ import json, sys
 import pyopencl as cl, asyncclcache as acc
 from kernels import seed_source, run_twice
 ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
-cache = acc.Cache(sys.argv[1], rank_local=False)
+cache = acc.Cache(sys.argv[1], rank_local=False, strategy="process")
 prg = cache.program(ctx, seed_source(1000, salt="claim-test")).build()
 print(json.dumps({"flushed": cache.flush(300), "stats": cache.stats().as_dict()}))
 """

@@ -70,7 +70,7 @@ b.program_binaries = lambda *a, **k: calls.append(1) or orig(*a, **k)
 pocl = pathlib.Path(os.environ["POCL_CACHE_DIR"])
 generic = lambda: sorted(str(p) for p in pocl.rglob("0-0-0"))
 ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
-cache = acc.Cache(sys.argv[1])
+cache = acc.Cache(sys.argv[1], strategy="process")
 t = time.perf_counter()
 prg = cache.program(ctx, seed_source(300)).build()
 after_build = {"generic": generic(), "pending": cache.stats().pending, "writes": cache.stats().writes}
@@ -128,7 +128,7 @@ import os, sys, signal, time
 import asyncclcache as acc, pyopencl as cl
 from kernels import seed_source
 ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
-cache = acc.Cache(sys.argv[1])
+cache = acc.Cache(sys.argv[1], strategy="process")
 cache.program(ctx, seed_source(1000)).build()   # the helper will compile for seconds
 driver = cache._drivers["process"]
 while driver.helper_pid is None:
@@ -182,7 +182,7 @@ def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir):
     from asyncclcache.entry import Entry
 
     src = small_source()
-    cache = acc.Cache(cache_dir)
+    cache = acc.Cache(cache_dir, strategy="process")
     prg = cache.program(cl_ctx, src).build()
     assert cache.flush(120)
     store = Store(cache_dir)
@@ -193,7 +193,7 @@ def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir):
     store.publish(junk)
     cache.close()
 
-    again = acc.Cache(cache_dir)
+    again = acc.Cache(cache_dir, strategy="process")
     with pytest.warns(acc.BinaryRejectedWarning):
         prg2 = again.program(cl_ctx, src).build()
     assert run_twice(cl_ctx, prg2)
@@ -230,7 +230,8 @@ def test_background_write_error_counted_not_raised(cl_ctx, cache_dir):
     from asyncclcache.keys import make_key
 
     opts, inc = prg._process_build_options(cl_ctx, None)
-    key = make_key(prg._source.encode(), opts, cl_ctx.devices, inc).key
+    kind = cache.driver_for(cl_ctx.devices).kind
+    key = make_key(prg._source.encode(), opts, cl_ctx.devices, inc, kind=kind).key
     (Path(cache.directory) / key[:2]).write_bytes(b"in the way")
     with pytest.warns(acc.WriteFailedWarning):  # issued by the background writer
         prg.build()
@@ -253,7 +254,7 @@ ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
 cache = acc.Cache(sys.argv[1])
 prg = cache.program(ctx, small_source())
 opts, inc = prg._process_build_options(ctx, None)
-key = make_key(prg._source.encode(), opts, ctx.devices, inc).key
+key = make_key(prg._source.encode(), opts, ctx.devices, inc, kind=cache.driver_for(ctx.devices).kind).key
 (pathlib.Path(cache.directory) / key[:2]).write_bytes(b"in the way")
 prg.build()
 try:
@@ -273,7 +274,7 @@ import sys, time
 import asyncclcache as acc, pyopencl as cl
 from kernels import seed_source
 ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
-cache = acc.Cache(sys.argv[1])
+cache = acc.Cache(sys.argv[1], strategy="process")
 cache.program(ctx, seed_source(1000)).build()
 driver = cache._drivers["process"]
 while driver.helper_pid is None:
@@ -344,15 +345,21 @@ prg = cache.program(ctx, small_source(salt="two-devices")).build()
 flushed = cache.flush(120)
 entry = cache.store.load(prg.cache_key)
 print(json.dumps({"ndev": len(devs), "ok": run_twice(ctx, prg), "flushed": flushed,
+                  "kind": entry.kind if entry else None, "devices": len(entry.meta["devices"]) if entry else 0,
                   "binaries": len(entry.binaries) if entry else 0, "stats": cache.stats().as_dict()}))
 """
-    env = {"POCL_DEVICES": "pthread pthread"}
-    first = child_json(run_child(code, str(cache_dir), env=env))
-    if first["ndev"] < 2:
-        pytest.skip("this pocl does not expose two devices with POCL_DEVICES")
-    assert first["ok"] and first["flushed"] and first["binaries"] == 2
-    second = child_json(run_child(code, str(cache_dir), env=env))
-    assert second["ok"] and second["stats"]["hits"] == 1
+    for strategy in ("kcache", "process"):
+        env = {"POCL_DEVICES": "pthread pthread", "ASYNCCLCACHE_STRATEGY": strategy}
+        d = str(cache_dir / strategy)
+        first = child_json(run_child(code, d, env=env))
+        if first["ndev"] < 2:
+            pytest.skip("this pocl does not expose two devices with POCL_DEVICES")
+        assert first["ok"] and first["flushed"] and first["devices"] == 2 and first["kind"] == (
+            "kcache" if strategy == "kcache" else "binary")
+        if strategy == "process":
+            assert first["binaries"] == 2
+        second = child_json(run_child(code, d, env=env))
+        assert second["ok"] and second["stats"]["hits"] == 1 and second["stats"]["rejected"] == 0
 
 
 def test_pyopencl_build_options_are_part_of_the_key(cache_dir):

@@ -44,7 +44,8 @@ def test_step_snapshot_packs_the_launched_variant(cache_dir):
     assert cold["ok"] and cold["flushed"]
     assert cold["step"] == [1, 0, 1]
     assert cold["variants_before_launch"] == []
-    assert cold["stats"]["writes"] == 1 and cold["stats"]["warmups"] == 1
+    # auto picks kcache on pocl: the entry is pocl's own folder, nothing compiled for it.
+    assert cold["stats"]["writes"] == 1 and cold["stats"]["warmups"] == 0
 
     warm = child_json(run_child(STEP_RUN, str(cache_dir)))  # empty POCL_CACHE_DIR: new node
     assert warm["ok"]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _version, lifetime
 from .config import STRATEGIES, get_config, parse_size
-from .drivers import Driver, Dropped, Job, auto_strategy
+from .drivers import Driver, Dropped, Job, Lost, Purpose, Snapshot, resolve_strategy
 from .entry import Entry
 from .errors import BackgroundError, WriteFailedWarning
 from .store import PublishResult, Store
@@ -59,6 +59,7 @@ class Stats:
     warmups: int = 0  # first binary queries in the helper (pocl's generic compile)
     refreshes: int = 0  # entries rewritten because the program gained variants
     rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
+    unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
     errors: int = 0  # background failures (logged)
     evictions: int = 0  # entries removed to keep the directory under max_size
     seconds_saved: float = 0.0  # estimated compile time that hits avoided
@@ -117,7 +118,8 @@ class Cache:
 
     :arg directory: root directory (default ``ASYNCCLCACHE_DIR`` or the user cache dir).
     :arg rank_local: one subdirectory per MPI rank (default: yes, under MPI).
-    :arg strategy: ``auto``, ``process`` (pocl helper), ``thread`` or ``sync``.
+    :arg strategy: ``auto``, ``kcache`` (pocl's kernel-cache folder), ``process`` (pocl
+        helper and binary query), ``thread`` or ``sync``.
     :arg workers: background writer threads.
     :arg max_size: bound of the directory in bytes (or ``"500M"``); least recently used
         entries are evicted by the background writer. Default ``ASYNCCLCACHE_MAX_SIZE``.
@@ -211,6 +213,10 @@ class Cache:
         ``ASYNCCLCACHE_FAILURE_FATAL=1``, a background failure raises
         :class:`BackgroundError` here. Thread-safe; does not block other builds.
         """
+        with self._lock:
+            drivers = list(self._drivers.values())
+        for d in drivers:
+            d.hurry()
         self._refresh()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
@@ -271,7 +277,7 @@ class Cache:
                 self._steps.remove(s)
                 jobs, s.jobs = s.jobs, []
             for job in jobs:
-                self._fetch(job, "snapshot")
+                self._fetch(job, Purpose.SNAPSHOT_NOW)
             if wait:
                 self.flush()
 
@@ -328,12 +334,19 @@ class Cache:
             # LRU bookkeeping: a cheap utime, off the caller's thread.
             self._workers.submit(lambda: self.store.touch(entry.key))
 
-    def _driver(self, devices: Sequence[cl.Device]) -> Driver:
-        name = self.strategy if self.strategy != "auto" else auto_strategy(devices)
+    def driver_for(self, devices: Sequence[cl.Device]) -> Driver:
+        """The driver that handles builds for ``devices`` (created on first use). Thread-safe."""
+        name = resolve_strategy(self.strategy, devices)
         with self._lock:
             d = self._drivers.get(name)
             if d is None:
-                if name == "process":
+                if name == "kcache":
+                    from .drivers.kcache import KcacheDriver, kernel_cache_dir
+
+                    root = kernel_cache_dir()
+                    assert root is not None  # resolve_strategy checked it
+                    d = KcacheDriver(root)
+                elif name == "process":
                     from .drivers.pocl import HelperDriver
 
                     d = HelperDriver()
@@ -359,17 +372,23 @@ class Cache:
         *,
         kernels: Sequence[str] = (),
         build_seconds: float = 0.0,
+        built_from: float = 0.0,
+        built_to: float = 0.0,
     ) -> None:
         """A miss was built: retrieve and write its binaries later. Caller's thread; cheap.
 
         ``looked_up_at`` (``time.time()`` before the lookup) lets a process skip a key
-        that another process wrote after this one missed it.
+        that another process wrote after this one missed it; ``built_from``/``built_to``
+        (``time.time()``) bracket the source build.
         """
         if not self.active or not self.store.enabled:
             return
-        driver = self._driver(devices)
-        job = Job(info, source, info.options, devices, logs, created=looked_up_at)
-        job.extra.update(driver=driver, kernels=list(kernels), build_seconds=build_seconds)
+        driver = self.driver_for(devices)
+        job = Job(
+            info, source, info.options, devices, logs, driver,
+            kernels=tuple(kernels), created=looked_up_at, built_from=built_from,
+            built_to=built_to, build_seconds=build_seconds,
+        )
         if driver.needs_program:
             job.program = program  # keep it alive until its binaries are taken
         with self._lock:
@@ -382,29 +401,49 @@ class Cache:
         if not self._swept:
             self._swept = True
             self._workers.submit(self.store.sweep)
+        driver.built(job)
         if step is None:
-            self._fetch(job, "snapshot")
-        elif driver.name == "process":
+            self._fetch(job, Purpose.SNAPSHOT)
+        elif driver.warms_up:
             # The warm-up may run now, in the other process; the snapshot waits for the step.
-            self._fetch(job, "warmup")
+            self._fetch(job, Purpose.WARMUP)
+
+    def _watch(self, info: KeyInfo, source: bytes, devices: Sequence[cl.Device], entry: Entry,
+               folders: Sequence[str]) -> None:
+        """A hit whose driver can tell cheaply when it gained variants: refresh it at flush."""
+        if not self.active or not self.store.enabled:
+            return
+        driver = self.driver_for(devices)
+        meta = entry.meta
+        job = Job(
+            info, source, info.options, devices, list(meta.get("build_logs") or []), driver,
+            kernels=tuple(meta.get("kernels") or ()), created=time.time(),
+            build_seconds=float(meta.get("compile_seconds") or 0.0), folders=tuple(folders),
+            written_files=frozenset(meta.get("files") or ()),
+        )
+        with self._lock:
+            if info.key in self._inflight:
+                return
+            self._jobs[info.key] = job
+            self._refreshable.add(info.key)
 
     # }}}
 
     # {{{ background
 
-    def _fetch(self, job: Job, purpose: str) -> None:
+    def _fetch(self, job: Job, purpose: Purpose) -> None:
         with self._lock:
             if self._closed or job.yielded:
                 return
             self._pending += 1
             self._inflight.add(job.key)
-        if job.extra["driver"].name == "sync":
+        if job.driver.inline:
             self._start(job, purpose)
         else:
             # Claiming touches the disk: not on the caller's thread.
             self._workers.submit(lambda: self._start(job, purpose))
 
-    def _start(self, job: Job, purpose: str) -> None:
+    def _start(self, job: Job, purpose: Purpose) -> None:
         if job.claim is None:
             try:
                 claim = self.store.claim(job.key)
@@ -414,7 +453,7 @@ class Cache:
                 finally:
                     self._done(job)
                 return
-            if claim is None or (purpose != "refresh" and self._written_since(job)):
+            if claim is None or (purpose is not Purpose.REFRESH and self._written_since(job)):
                 # Another process (rank) works on this key, or already wrote it: skip.
                 if claim is not None:
                     claim.release()
@@ -424,8 +463,7 @@ class Cache:
                 self._done(job)
                 return
             job.claim = claim
-        driver: Driver = job.extra["driver"]
-        driver.fetch(job, lambda binaries, error: self._fetched(job, purpose, binaries, error))
+        job.driver.fetch(job, purpose, lambda snap, error: self._fetched(job, purpose, snap, error))
 
     def _written_since(self, job: Job) -> bool:
         try:
@@ -439,56 +477,67 @@ class Cache:
             claim.release()
 
     def _fetched(
-        self, job: Job, purpose: str, binaries: list[bytes] | None, error: BaseException | None
+        self, job: Job, purpose: Purpose, snap: Snapshot | None, error: BaseException | None
     ) -> None:
         # Runs in a driver's thread: hand disk I/O to the writers.
         with self._lock:
             first = job.fetches == 0
             job.fetches += 1
-            if first and job.extra["driver"].name == "process" and error is None:
+            if first and job.driver.warms_up and error is None:
                 self._counts["warmups"] += 1
         if error is not None:
             self._release_claim(job)
             if isinstance(error, Dropped):
                 self._count("skipped")  # shut down first: not a failure
+            elif isinstance(error, Lost):
+                self._count("unidentified")  # nothing to store: counted, not a failure
+                logger.info("asyncclcache: %s (%s)", error, job.key[:12])
             else:
                 self._background_error(error)
             self._done(job)
             return
-        assert binaries is not None
-        if purpose == "warmup":
+        assert snap is not None
+        if purpose is Purpose.WARMUP:
             self._done(job)
             return
-        self._workers.submit(lambda: self._publish(job, purpose, binaries))
+        self._workers.submit(lambda: self._publish(job, purpose, snap))
 
-    def _publish(self, job: Job, purpose: str, binaries: list[bytes]) -> None:
+    def _publish(self, job: Job, purpose: Purpose, snap: Snapshot) -> None:
         try:
-            digest = hashlib.blake2b(b"".join(binaries), digest_size=16).hexdigest()
-            if purpose == "refresh" and digest == job.written_digest:
+            h = hashlib.blake2b(digest_size=16)
+            for name in snap.files or ():
+                h.update(name.encode() + b"\0")
+            for blob in snap.blobs:
+                h.update(len(blob).to_bytes(8, "little") + blob)
+            digest = h.hexdigest()
+            if purpose is Purpose.REFRESH and digest == job.written_digest:
                 return
             with self._lock:
                 closed = self._closed
             if closed:
                 self._count("skipped")
                 return
+            meta: dict[str, Any] = {"kind": job.driver.kind}
+            if snap.files is not None:
+                meta["files"] = list(snap.files)
             entry = Entry(
                 job.key,
-                tuple(binaries),
+                tuple(snap.blobs),
                 {
+                    **meta,
                     "devices": list(job.info.devices),
                     "options": job.options.decode("utf-8", "surrogateescape"),
                     "source_sha256": job.info.source_sha256,
                     "includes": [[d.path, d.sha256] for d in job.info.deps],
                     "build_logs": job.logs,
                     "created": time.time(),
-                    "snapshot": purpose,
-                    "strategy": job.extra["driver"].name,
+                    "snapshot": purpose.value,
+                    "strategy": job.driver.name,
                     "asyncclcache": _version.__version__,
-                    "kernels": job.extra.get("kernels", []),
+                    "kernels": list(job.kernels),
                     # What a hit saves: the source build plus one code generation (the
                     # helper's warm-up measures one; the launch's costs about the same).
-                    "compile_seconds": job.extra.get("build_seconds", 0.0)
-                    + job.extra.get("warmup_seconds", 0.0),
+                    "compile_seconds": job.build_seconds + (job.warmup_seconds or 0.0),
                 },
             )
             try:
@@ -500,10 +549,13 @@ class Cache:
                 with self._lock:
                     self._counts["writes"] += 1
                     self._counts["bytes_written"] += entry.nbytes
-                    if purpose == "refresh":
+                    if purpose is Purpose.REFRESH:
                         self._counts["refreshes"] += 1
                     job.written_digest = digest
-                    if job.extra["driver"].name == "process":
+                    if snap.files is not None:
+                        job.written_files = frozenset(snap.files)
+                        job.folders = tuple(snap.folders or job.folders or ())
+                    if job.driver.refreshable:
                         self._refreshable.add(job.key)
                     # The in-process program is no longer needed.
                     job.program = None
@@ -565,26 +617,18 @@ class Cache:
                 self._idle.notify_all()
 
     def _refresh(self) -> None:
-        """Re-snapshot entries whose kernels pocl compiled new variants for since."""
+        """Re-snapshot entries whose programs gained variants since (the driver tells which)."""
         with self._lock:
             if self._closed:
                 return
             keys = [k for k in self._refreshable if k not in self._inflight]
             jobs = [self._jobs[k] for k in keys]
-        if not jobs:
-            return
-        from .drivers.pocl import newest_variants
-
-        newest = newest_variants()
+        by_driver: dict[int, list[Job]] = {}
         for job in jobs:
-            kernels = job.extra.get("kernels") or []
-            if newest is not None and kernels:
-                # The driver stamps when its last query answered (pocl packs at the end):
-                # variants older than that are in the entry already.
-                latest = max(newest.get(k, 0.0) for k in kernels)
-                if latest < job.extra.get("queried_at", 0.0):
-                    continue  # nothing new since the snapshot: skip the helper round trip
-            self._fetch(job, "refresh")
+            by_driver.setdefault(id(job.driver), []).append(job)
+        for group in by_driver.values():
+            for job in group[0].driver.stale(group):
+                self._fetch(job, Purpose.REFRESH)
 
     def _background_error(self, error: BaseException, *, count: bool = True) -> None:
         logger.warning("asyncclcache background failure: %s", error)

@@ -4,7 +4,7 @@
 ``ASYNCCLCACHE_DIR``            cache directory (default: the user cache directory)
 ``ASYNCCLCACHE_DISABLE``        ``1``: no caching at all, plain pyopencl builds
 ``ASYNCCLCACHE_RANK_LOCAL``     ``0``: ranks share one directory; ``1``: one each
-``ASYNCCLCACHE_STRATEGY``       ``auto`` | ``process`` | ``thread`` | ``sync``
+``ASYNCCLCACHE_STRATEGY``       ``auto`` | ``kcache`` | ``process`` | ``thread`` | ``sync``
 ``ASYNCCLCACHE_WORKERS``        background writer threads (default 1)
 ``ASYNCCLCACHE_FAILURE_FATAL``  ``1``: background failures raise in ``flush()``
 ``ASYNCCLCACHE_EXIT_TIMEOUT``   seconds to wait for pending work at exit (default 5)
@@ -21,7 +21,7 @@ from functools import lru_cache
 
 __all__ = ["STRATEGIES", "Config", "get_config", "parse_bool", "parse_size"]
 
-STRATEGIES = ("auto", "process", "thread", "sync")
+STRATEGIES = ("auto", "kcache", "process", "thread", "sync")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

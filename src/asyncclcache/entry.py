@@ -25,7 +25,10 @@ from typing import IO, Any
 
 from .keys import FORMAT_VERSION
 
-__all__ = ["MAGIC", "Entry", "EntryFormatError", "decode", "encode", "read_meta"]
+__all__ = ["KINDS", "MAGIC", "Entry", "EntryFormatError", "decode", "encode", "layout_problem", "read_meta"]
+
+#: What an entry holds: per-device binaries, or pocl kernel-cache files (``meta["files"]``).
+KINDS = ("binary", "kcache")
 
 MAGIC = b"ACLCACHE"
 _HEADER = struct.Struct("<8sHHI")
@@ -49,6 +52,37 @@ class Entry:
     def nbytes(self) -> int:
         """Size of the binaries."""
         return sum(len(b) for b in self.binaries)
+
+    @property
+    def kind(self) -> str:
+        """``binary`` (one binary per device) or ``kcache`` (pocl's kernel-cache files)."""
+        return str(self.meta.get("kind", "binary"))
+
+
+def layout_problem(entry: Entry) -> str | None:
+    """Why the entry's blobs do not fit what its metadata says it holds, or ``None``."""
+    devices = entry.meta.get("devices")
+    if not isinstance(devices, list) or not devices:
+        return "no devices"
+    if entry.kind == "binary":
+        if len(entry.binaries) != len(devices):
+            return "binary count does not match its devices"
+        return None
+    if entry.kind == "kcache":
+        from .drivers.kcache import valid_file
+
+        files = entry.meta.get("files")
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            return "kernel-cache file list is not a list of names"
+        if len(files) != len(entry.binaries) or not files:
+            return "kernel-cache file count does not match its contents"
+        bad = next((f for f in files if not valid_file(f)), None)
+        if bad is not None:
+            return f"unsafe kernel-cache path {bad!r}"
+        if len(set(files)) != len(files):
+            return "kernel-cache file listed twice"
+        return None
+    return f"unknown kind {entry.kind!r}"
 
 
 def _digest(data: bytes | memoryview) -> bytes:

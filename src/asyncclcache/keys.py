@@ -169,8 +169,13 @@ def make_key(
     options: bytes,
     devices: Sequence[cl.Device],
     include_path: Sequence[str],
+    *,
+    kind: str = "binary",
 ) -> KeyInfo:
-    """Compute the key of building ``source`` with ``options`` for ``devices``. Thread-safe."""
+    """Compute the key of building ``source`` with ``options`` for ``devices``. Thread-safe.
+
+    ``kind`` is what the entry holds (``binary``, or ``kcache``: pocl's kernel-cache files);
+    entries of different kinds never share a key."""
     import pyopencl
 
     identities = tuple(device_identity(d) for d in devices)
@@ -184,5 +189,7 @@ def make_key(
         "source_sha256": source_sha,
         "includes": [[d.path, d.sha256] for d in deps],
     }
+    if kind != "binary":
+        doc["kind"] = kind
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8", "surrogateescape")
     return KeyInfo(hashlib.sha256(blob).hexdigest(), identities, options, source_sha, deps)

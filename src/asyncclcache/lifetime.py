@@ -33,6 +33,7 @@ FIELDS = (
     "warmups",
     "refreshes",
     "rejected",
+    "unidentified",
     "errors",
     "evictions",
     "seconds_saved",

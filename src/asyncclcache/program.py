@@ -63,53 +63,77 @@ def cached_build(
     devs = list(devices) if devices is not None else list(context.devices)
     source = prg._source
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
-    info = make_key(source_bytes, options_bytes, devs, include_path)
+    driver = cache.driver_for(devs)
+    info = make_key(source_bytes, options_bytes, devs, include_path, kind=driver.kind)
     prg.cache_key = info.key  # type: ignore[attr-defined]
     entry = cache._lookup(info)
     overhead = time.perf_counter() - t_start
 
+    def build_source() -> Any:
+        new = _cl._Program(context, source)
+        # Same error path and message as pyopencl's uncached build.
+        prg._build_and_catch_errors(lambda: new.build(options_bytes, devices), options_bytes)
+        return new
+
     built = None
+    hit = False
     if entry is not None:
         t0 = time.perf_counter()
-        try:
-            built = _cl._Program(context, devs, list(entry.binaries))
-            built.build(options_bytes, devs)
-        except cl.Error as e:
-            built = None
+        built_from = time.time()
+        result = driver.build_from_entry(entry, context, devs, options_bytes, build_source)
+        duration = time.perf_counter() - t0
+        if result.program is not None and result.used:
+            built, hit = result.program, True
+            cache._record_build(hit=True, entry=entry, seconds=duration)
+            _replay_logs(entry.meta.get("build_logs") or [], devs)
+            descr = "cache retrieval"
+            if driver.watches_hits:
+                cache._watch(info, source_bytes, devs, entry, result.folders)
+        else:
+            what = "binary" if entry.meta.get("kind", "binary") == "binary" else "kernel-cache files"
             warnings.warn(
-                f"asyncclcache: the driver rejected the stored binary {info.key[:12]} "
-                f"({e.code}: {e.what if hasattr(e, 'what') else e}); rebuilding from source",
+                f"asyncclcache: the driver rejected the stored {what} {info.key[:12]} "
+                f"({result.why}); rebuilding from source",
                 BinaryRejectedWarning,
                 stacklevel=3,
             )
             cache._count("rejected")
             cache._forget(info.key)
-        else:
-            prg._prg = built
-            cache._record_build(hit=True, entry=entry, seconds=time.perf_counter() - t0)
-            _replay_logs(entry.meta.get("build_logs") or [], devs)
-            descr, duration = "cache retrieval", time.perf_counter() - t0
+            if result.program is not None:
+                # Built from source already (pocl did not use the stored folder): a miss.
+                built = result.program
+                _after_miss(cache, prg, built, info, source_bytes, devs, looked_up_at,
+                            duration, built_from, time.time())
+                descr = "source build (stored kernel-cache files unused)"
 
     if built is None:
         t0 = time.perf_counter()
-        new = _cl._Program(context, source)
-        # Same error path and message as pyopencl's uncached build.
-        prg._build_and_catch_errors(lambda: new.build(options_bytes, devices), options_bytes)
-        prg._prg = new
+        built_from = time.time()
+        built = build_source()
+        built_to = time.time()
         duration = time.perf_counter() - t0
         t1 = time.perf_counter()
-        cache._record_build(hit=False)
-        logs = _build_logs(new)
-        cache._schedule(
-            new, info, source_bytes, devs, logs, looked_up_at,
-            kernels=_kernel_names(new), build_seconds=duration,
-        )
+        _after_miss(cache, prg, built, info, source_bytes, devs, looked_up_at,
+                    duration, built_from, built_to)
         overhead += time.perf_counter() - t1
         descr = "source build (binary retrieved in the background)"
 
+    prg._prg = built
     cache._count("main_thread_seconds", overhead)
-    prg._build_duration_info = (descr, entry is not None and built is not None, duration)
+    prg._build_duration_info = (descr, hit, duration)
     return prg
+
+
+def _after_miss(
+    cache: Cache, prg: cl.Program, built: Any, info: Any, source: bytes, devices: list[cl.Device],
+    looked_up_at: float, seconds: float, built_from: float, built_to: float,
+) -> None:
+    cache._record_build(hit=False)
+    cache._schedule(
+        built, info, source, devices, _build_logs(built), looked_up_at,
+        kernels=_kernel_names(built), build_seconds=seconds,
+        built_from=built_from, built_to=built_to,
+    )
 
 
 def _kernel_names(prg: Any) -> list[str]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .entry import Entry, EntryFormatError, decode, encode, read_meta
+from .entry import Entry, EntryFormatError, decode, encode, layout_problem, read_meta
 from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
 from .keys import FORMAT_VERSION
 from .ranks import detect_rank
@@ -299,8 +299,9 @@ class Store:
         if devices is not None and list(entry.meta.get("devices", ())) != list(devices):
             self._reject(path, "was built for another device", st)
             return None
-        if len(entry.binaries) != len(entry.meta.get("devices", ())):
-            self._reject(path, "binary count does not match its devices", st)
+        problem = layout_problem(entry)
+        if problem is not None:
+            self._reject(path, problem, st)
             return None
         return entry
 
@@ -536,9 +537,7 @@ class Store:
             return str(err)
         if entry.key != e.key:
             return "holds another key"
-        if len(entry.binaries) != len(entry.meta.get("devices", ())):
-            return "binary count does not match its devices"
-        return None
+        return layout_problem(entry)
 
     def prune(self, *, max_size: int | None = None, older_than: float | None = None) -> PruneResult:
         """Evict least recently used entries until the total is at most ``max_size`` bytes,

@@ -1,7 +1,10 @@
 """What differs per OpenCL implementation, behind one small interface (:class:`Driver`).
 
-* ``process`` (:mod:`.pocl`): a helper process does the warm-up and the snapshot.
-  What ``auto`` picks for pocl's CPU devices.
+* ``kcache`` (:mod:`.kcache`): pocl's own kernel-cache folder of the program is the
+  entry; nothing is compiled for the cache. What ``auto`` picks for pocl's CPU
+  devices while pocl's kernel cache is on.
+* ``process`` (:mod:`.pocl`): a helper process does the warm-up and the snapshot
+  (binary query). What ``auto`` picks for pocl's CPU devices with ``POCL_KERNEL_CACHE=0``.
 * ``thread`` (:mod:`.inprocess`): a worker thread queries through ctypes. What
   ``auto`` picks for everything else.
 * ``sync`` (:mod:`.inprocess`): inline, for comparison.
@@ -12,12 +15,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import Done, Driver, Dropped, Job
+from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot
+from .kcache import kernel_cache_dir
 
 if TYPE_CHECKING:
     import pyopencl as cl
 
-__all__ = ["Done", "Driver", "Dropped", "Job", "auto_reason", "auto_strategy", "is_pocl_cpu"]
+__all__ = [
+    "Done",
+    "Driver",
+    "Dropped",
+    "Hit",
+    "Job",
+    "Lost",
+    "Purpose",
+    "Snapshot",
+    "auto_reason",
+    "auto_strategy",
+    "is_pocl_cpu",
+    "resolve_strategy",
+]
 
 POCL_PLATFORM_NAME = "Portable Computing Language"
 
@@ -30,17 +47,38 @@ def is_pocl_cpu(device: cl.Device) -> bool:
 
 
 def auto_strategy(devices: Sequence[cl.Device]) -> str:
-    """``process`` when any device is a pocl CPU device, else ``thread``."""
+    """``kcache`` when every device is a pocl CPU device and pocl's kernel cache is on;
+    ``process`` when some device is a pocl CPU device; else ``thread``."""
+    if devices and all(is_pocl_cpu(d) for d in devices) and kernel_cache_dir() is not None:
+        return "kcache"
     return "process" if any(is_pocl_cpu(d) for d in devices) else "thread"
+
+
+def resolve_strategy(requested: str, devices: Sequence[cl.Device]) -> str:
+    """The strategy to use: ``requested``, except that ``auto`` is resolved and
+    ``kcache`` falls back to ``auto``'s pick where it cannot work (not pocl's CPU
+    device, or pocl's kernel cache off)."""
+    if requested == "auto":
+        return auto_strategy(devices)
+    if requested == "kcache" and auto_strategy(devices) != "kcache":
+        return auto_strategy(devices)
+    return requested
 
 
 def auto_reason(devices: Sequence[cl.Device]) -> str:
     """One sentence: why :func:`auto_strategy` picks what it picks for *devices*."""
-    if auto_strategy(devices) == "process":
+    strategy = auto_strategy(devices)
+    if strategy == "kcache":
         return (
-            "pocl's CPU device compiles a second, generic variant when asked for its binary, "
-            "and holds a process-wide lock while compiling that stalls every launch "
-            "(DESIGN.md F1, F3), so a lowest-priority helper process does the query"
+            "pocl's CPU device keeps each program's compiled variants in its kernel cache, and "
+            "that folder, restored on a new node, compiles nothing (DESIGN.md F15, F16): the "
+            "entry stores those files, so the cache itself compiles nothing"
+        )
+    if strategy == "process":
+        return (
+            "pocl's kernel cache is off (POCL_KERNEL_CACHE=0), and pocl's CPU device compiles a "
+            "second, generic variant when asked for its binary under a process-wide lock that "
+            "stalls every launch (DESIGN.md F1, F3), so a lowest-priority helper process does the query"
         )
     names = ", ".join(sorted({d.platform.name for d in devices}))
     return (

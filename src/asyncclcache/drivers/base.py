@@ -1,22 +1,52 @@
-"""The interface between the cache and a way of retrieving binaries."""
+"""The interface between the cache and a way of retrieving what a build produced."""
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pyopencl as cl
 
+    from ..entry import Entry
     from ..keys import KeyInfo
 
-__all__ = ["Done", "Driver", "Dropped", "Job"]
+__all__ = ["Done", "Driver", "Dropped", "Hit", "Job", "Lost", "Purpose", "Snapshot"]
 
 
 class Dropped(Exception):
     """A fetch abandoned because the cache is shutting down (counted as skipped)."""
+
+
+class Lost(Exception):
+    """What the job needs is gone or cannot be found (pocl's kernel-cache folder:
+    not identified, or removed under us). Counted, not an error."""
+
+
+class Purpose(enum.Enum):
+    """Why the cache asks a driver for a job's binaries."""
+
+    #: Compile what a later snapshot needs (the helper's generic variant); nothing is written.
+    WARMUP = "warmup"
+    #: The entry, once the program's first launches are likely done (outside a step).
+    SNAPSHOT = "snapshot"
+    #: The entry, now: a step ended, so its launches are done.
+    SNAPSHOT_NOW = "snapshot-now"
+    #: Rewrite an entry whose program gained variants since.
+    REFRESH = "refresh"
+
+
+@dataclass
+class Snapshot:
+    """What a driver retrieved: per-device binaries (``files is None``), or pocl
+    kernel-cache files, ``blobs[i]`` being the content of ``files[i]``."""
+
+    blobs: list[bytes]
+    files: list[str] | None = None
+    folders: list[str] | None = None
 
 
 @dataclass
@@ -28,6 +58,14 @@ class Job:
     options: bytes
     devices: Sequence[cl.Device]
     logs: list[str]
+    driver: Driver
+    kernels: tuple[str, ...] = ()
+    #: ``time.time()`` before the key lookup: a key written after it is someone else's.
+    created: float = 0.0
+    #: ``time.time()`` around the source build (pocl's kernel-cache folder is touched in it).
+    built_from: float = 0.0
+    built_to: float = 0.0
+    build_seconds: float = 0.0
     #: The built program, kept alive for in-process strategies; ``None`` once done.
     program: Any = None
     #: Digest of the binaries last written, so a refresh writes only what changed.
@@ -37,31 +75,94 @@ class Job:
     claim: Any = None
     #: Another process claimed the key: this one leaves it alone.
     yielded: bool = False
-    created: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: The helper's first request (its generic compile); about one code generation.
+    warmup_seconds: float | None = None
+    #: When the driver's last snapshot was taken (variants older than that are in it).
+    queried_at: float = 0.0
+    #: kcache: pocl's folders for this program (``None``: not identified yet).
+    folders: tuple[str, ...] | None = None
+    #: kcache: the files the last written entry holds.
+    written_files: frozenset[str] = frozenset()
 
     @property
     def key(self) -> str:
         return self.info.key
 
 
-#: Called from a background thread with the binaries (one per device) or the error.
-Done = Callable[[list[bytes] | None, BaseException | None], None]
+#: Called from a background thread with the snapshot or the error.
+Done = Callable[[Snapshot | None, BaseException | None], None]
+
+
+@dataclass
+class Hit:
+    """The outcome of building from a stored entry.
+
+    ``program`` is the built program, or ``None`` when the driver rejected the entry
+    before building (then the caller builds from source). ``used`` is False when a
+    program was built but the entry's content was not what the driver used (kcache: pocl
+    computed another folder); ``why`` says why not.
+    """
+
+    program: Any
+    used: bool
+    why: str = ""
+    folders: tuple[str, ...] = ()
 
 
 class Driver(ABC):
     """Retrieves a job's binaries off the caller's thread and reports through ``done``.
 
-    ``fetch`` is called on the caller's thread and must return at once.
+    ``fetch`` is called on the caller's thread and must return at once. The
+    attributes say what the cache must do differently; it never checks a name.
     """
 
     name: str = ""
+    #: What its entries hold: ``binary`` (clGetProgramInfo) or ``kcache`` (pocl's files).
+    kind: str = "binary"
     #: Whether the driver needs the main process's program object.
     needs_program: bool = False
+    #: ``fetch`` runs in the caller's thread (for comparison only).
+    inline: bool = False
+    #: Its first fetch compiles (a warm-up, counted); worth starting inside a step.
+    warms_up: bool = False
+    #: Written entries may gain variants later (pocl launches): :meth:`stale` tells which.
+    refreshable: bool = False
+    #: A hit is worth watching for variants compiled after it (cheap to check).
+    watches_hits: bool = False
+
+    def built(self, job: Job) -> None:  # noqa: B027 - optional hook
+        """A miss was just built (caller's thread, must be cheap): start early work."""
 
     @abstractmethod
-    def fetch(self, job: Job, done: Done) -> None:
+    def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
         """Queue a retrieval of ``job``'s binaries; ``done`` runs later in a background thread."""
+
+    def stale(self, jobs: Sequence[Job]) -> list[Job]:
+        """The written jobs that may have gained variants since their snapshot."""
+        return list(jobs) if self.refreshable else []
+
+    def hurry(self) -> None:  # noqa: B027 - optional hook
+        """``flush()`` or exit: stop waiting for launches, snapshot what is there now."""
+
+    def build_from_entry(
+        self,
+        entry: Entry,
+        context: cl.Context,
+        devices: Sequence[cl.Device],
+        options: bytes,
+        build_source: Callable[[], Any],
+    ) -> Hit:
+        """Build the program from ``entry`` (caller's thread). Binary entries: create the
+        program from the stored binaries; a driver that refuses them gives ``Hit(None, ...)``."""
+        import pyopencl as cl
+        from pyopencl import _cl
+
+        try:
+            built = _cl._Program(context, list(devices), list(entry.binaries))
+            built.build(options, list(devices))
+        except cl.Error as e:
+            return Hit(None, False, f"{e.code}: {e.what if hasattr(e, 'what') else e}")
+        return Hit(built, True)
 
     def close(self, timeout: float | None = None) -> None:  # noqa: B027 - optional hook
         """Release threads and processes; pending fetches may be dropped."""

@@ -11,7 +11,7 @@ import time
 
 from ..binaries import program_binaries
 from ..workers import Workers
-from .base import Done, Driver, Job
+from .base import Done, Driver, Job, Purpose, Snapshot
 
 __all__ = ["SyncDriver", "ThreadDriver"]
 
@@ -22,8 +22,8 @@ def _query(job: Job, done: Done) -> None:
     except Exception as e:  # noqa: BLE001 - reported through done
         done(None, e)
         return
-    job.extra["queried_at"] = time.time()
-    done(result, None)
+    job.queried_at = time.time()
+    done(Snapshot(result), None)
 
 
 class ThreadDriver(Driver):
@@ -35,7 +35,7 @@ class ThreadDriver(Driver):
     def __init__(self, workers: Workers) -> None:
         self._workers = workers
 
-    def fetch(self, job: Job, done: Done) -> None:
+    def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
         self._workers.submit(lambda: _query(job, done))
 
 
@@ -44,6 +44,7 @@ class SyncDriver(Driver):
 
     name = "sync"
     needs_program = True
+    inline = True
 
-    def fetch(self, job: Job, done: Done) -> None:
+    def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
         _query(job, done)

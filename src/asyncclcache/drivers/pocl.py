@@ -17,29 +17,19 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
+from collections.abc import Sequence
 from typing import IO
 
 from . import _wire
-from .base import Done, Driver, Dropped, Job
+from .base import Done, Driver, Dropped, Job, Purpose, Snapshot
+from .kcache import kernel_cache_dir
 
-__all__ = ["HelperDriver", "HelperError", "kernel_cache_dir", "newest_variants"]
+__all__ = ["HelperDriver", "HelperError", "newest_variants"]
 
 logger = logging.getLogger(__name__)
 _STOP = object()
 #: Restarts after a helper crash before the driver gives up for this process.
 MAX_RESTARTS = 3
-
-
-def kernel_cache_dir() -> Path | None:
-    """pocl's kernel cache directory, as pocl finds it (``POCL_CACHE_DIR``, else the
-    XDG cache home's ``pocl/kcache``); ``None`` when pocl's cache is off."""
-    if os.environ.get("POCL_KERNEL_CACHE", "1").strip() == "0":
-        return None
-    if os.environ.get("POCL_CACHE_DIR"):
-        return Path(os.environ["POCL_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "pocl" / "kcache"
 
 
 def newest_variants() -> dict[str, float] | None:
@@ -98,6 +88,8 @@ class HelperDriver(Driver):
 
     name = "process"
     needs_program = False
+    warms_up = True
+    refreshable = True
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -112,7 +104,7 @@ class HelperDriver(Driver):
         self.helper_pid: int | None = None
         self.priority: str | None = None
 
-    def fetch(self, job: Job, done: Done) -> None:
+    def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
         with self._lock:
             if self._closed:
                 done(None, Dropped("helper driver closed"))
@@ -157,7 +149,7 @@ class HelperDriver(Driver):
             except BaseException as e:  # noqa: BLE001 - reported through done
                 done(None, e)
             else:
-                done(binaries, None)
+                done(Snapshot(binaries), None)
         self._stop_proc()
 
     def _request(self, job: Job) -> list[bytes]:
@@ -189,9 +181,10 @@ class HelperDriver(Driver):
         # pocl packs the blob at the end of the query: variants on disk before the answer
         # came are in it (a variant finishing in those last microseconds may be missed:
         # it costs the next run one compile, nothing else).
-        job.extra["queried_at"] = time.time()
+        job.queried_at = time.time()
         # The first request's time is the warm-up: about one code generation.
-        job.extra.setdefault("warmup_seconds", float(header.get("seconds", 0.0)))
+        if job.warmup_seconds is None:
+            job.warmup_seconds = float(header.get("seconds", 0.0))
         return payloads
 
     def _stop_proc(self, timeout: float = 2.0) -> None:
@@ -209,6 +202,19 @@ class HelperDriver(Driver):
             proc.stdout.close()
 
     # }}}
+
+    def stale(self, jobs: Sequence[Job]) -> list[Job]:
+        newest = newest_variants()
+        out = []
+        for job in jobs:
+            if newest is not None and job.kernels:
+                # The driver stamps when its last query answered (pocl packs at the end):
+                # variants older than that are in the entry already.
+                latest = max(newest.get(k, 0.0) for k in job.kernels)
+                if latest < job.queried_at:
+                    continue  # nothing new since the snapshot: skip the helper round trip
+            out.append(job)
+        return out
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the client thread and reap the helper (killed if it is mid-compile)."""

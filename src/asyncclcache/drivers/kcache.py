@@ -1,0 +1,482 @@
+"""Strategy ``kcache``: store pocl's own kernel-cache folder of a program, not a binary.
+
+pocl keeps each program it builds at ``<POCL_CACHE_DIR>/<XX>/<hash>/``: ``program.bc``,
+``last_accessed`` and ``<kernel>/<variant>/<kernel>.so`` for every variant launched.
+Every build of the program touches ``last_accessed`` (DESIGN.md F15). That folder,
+put into an empty kernel cache on a new node, is used as it is: the build skips the
+front end and the first launch compiles nothing (F16). So nothing is compiled for
+the cache at all: no binary query, no generic variant, no helper.
+
+* **Identify** (background thread): the folders whose ``last_accessed`` moved inside
+  the build's time window. Other builds (threads, ranks sharing pocl's cache) move
+  theirs too; kernel names narrow the set, and a few candidates may stay. A folder
+  that is not ours is harmless: pocl only uses a folder under the name it computes.
+* **Snapshot**: the folder's files, once every kernel has a variant (the first
+  launches), after :data:`SETTLE_SECONDS`, at a step's end or at ``flush()``.
+* **Hit**: write the missing files into pocl's cache (temp file + link, never over
+  an existing file, never through a link), do the plain source build, and check
+  that pocl touched the folder. If it did not, the caller rejects the entry.
+* **Refresh**: compare file names; rewrite only when a folder gained a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot
+
+if TYPE_CHECKING:
+    import pyopencl as cl
+
+    from ..entry import Entry
+
+__all__ = [
+    "KcacheDriver",
+    "folder_files",
+    "identify",
+    "kernel_cache_dir",
+    "restore",
+    "touched",
+    "valid_file",
+]
+
+logger = logging.getLogger(__name__)
+
+LAST_ACCESSED = "last_accessed"
+#: Our temp files inside pocl's folders (never snapshotted).
+TMP_PREFIX = ".acc-tmp-"
+#: File timestamps come from a coarse clock that lags ``time.time()`` by up to a tick.
+SLACK = 0.05
+#: More candidate folders than this for one build: give up on it (counted).
+MAX_CANDIDATES = 4
+#: Outside a step, snapshot at the latest this long after the build.
+SETTLE_SECONDS = 3.0
+POLL_SECONDS = 0.2
+
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
+_FOLDER_RE = (re.compile(r"^[A-Za-z0-9]{2}$"), re.compile(r"^[A-Za-z0-9]{8,128}$"))
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
+
+
+def kernel_cache_dir() -> Path | None:
+    """pocl's kernel cache directory, as pocl finds it (``POCL_CACHE_DIR``, else the
+    XDG cache home's ``pocl/kcache``); ``None`` when pocl's cache is off."""
+    if os.environ.get("POCL_KERNEL_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if os.environ.get("POCL_CACHE_DIR"):
+        return Path(os.environ["POCL_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "pocl" / "kcache"
+
+
+def valid_file(rel: str) -> bool:
+    """True for ``XX/<hash>/<name>`` and ``XX/<hash>/<kernel>/<variant>/<name>``-like
+    paths: plain names, no ``..``, no absolute path, no temp file of ours."""
+    parts = rel.split("/")
+    if not 3 <= len(parts) <= 6:
+        return False
+    if not (_FOLDER_RE[0].match(parts[0]) and _FOLDER_RE[1].match(parts[1])):
+        return False
+    return all(_NAME_RE.match(p) and p not in (".", "..") for p in parts[2:]) and not parts[
+        -1
+    ].startswith(TMP_PREFIX)
+
+
+def _program_folders(root: Path) -> Iterator[tuple[str, float]]:
+    """``(XX/hash, mtime of last_accessed)`` of every program folder: one walk of two levels."""
+    try:
+        tops = list(os.scandir(root))
+    except OSError:
+        return
+    for top in tops:
+        if not (len(top.name) == 2 and top.is_dir(follow_symlinks=False)):
+            continue
+        try:
+            programs = list(os.scandir(top.path))
+        except OSError:
+            continue
+        for p in programs:
+            try:
+                st = os.stat(os.path.join(p.path, LAST_ACCESSED), follow_symlinks=False)
+            except OSError:
+                continue
+            yield f"{top.name}/{p.name}", st.st_mtime
+
+
+def _kernel_dirs(root: Path, folder: str) -> set[str] | None:
+    try:
+        return {e.name for e in os.scandir(root / folder) if e.is_dir(follow_symlinks=False)}
+    except OSError:
+        return None
+
+
+def _mentions(root: Path, folder: str, kernels: Sequence[str]) -> bool:
+    # The bitcode's string table holds every function name as plain bytes.
+    try:
+        with open(root / folder / "program.bc", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return all(k.encode() in data for k in kernels)
+
+
+def identify(
+    root: Path, windows: Sequence[tuple[float, float, Sequence[str]]]
+) -> list[tuple[str, ...]]:
+    """For each build window ``(t0, t1, kernel names)``, the candidate folders (one scan).
+
+    In the window first; else touched since (the same program built again meanwhile).
+    Narrowed by the kernel folders a launch made and by the names in ``program.bc``.
+    An empty tuple: none, or more than :data:`MAX_CANDIDATES`.
+    """
+    if not windows:
+        return []
+    oldest = min(w[0] for w in windows) - SLACK
+    seen = [(rel, m) for rel, m in _program_folders(root) if m >= oldest]
+    out: list[tuple[str, ...]] = []
+    for t0, t1, kernels in windows:
+        inside = [rel for rel, m in seen if t0 - SLACK <= m <= t1 + SLACK]
+        found = inside or [rel for rel, m in seen if m >= t0 - SLACK]
+        if len(found) > 1 and kernels:
+            names = set(kernels)
+            narrowed = [f for f in found if (_kernel_dirs(root, f) or set()) <= names]
+            narrowed = [f for f in narrowed if _mentions(root, f, kernels)]
+            found = narrowed or found
+        out.append(tuple(sorted(found)) if 0 < len(found) <= MAX_CANDIDATES else ())
+    return out
+
+
+def _walk(root: Path, folder: str) -> Iterator[tuple[str, str]]:
+    """``(relative path, absolute path)`` of the folder's regular files, no links followed."""
+    stack = [folder]
+    while stack:
+        rel_dir = stack.pop()
+        with os.scandir(root / rel_dir) as it:
+            for e in it:
+                rel = f"{rel_dir}/{e.name}"
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(rel)
+                elif e.is_file(follow_symlinks=False) and e.name != LAST_ACCESSED and valid_file(rel):
+                    yield rel, e.path
+
+
+def listing(root: Path, folders: Sequence[str]) -> frozenset[str]:
+    """The files of ``folders`` now (for a refresh: did a folder gain one?)."""
+    out: set[str] = set()
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            out.update(rel for rel, _ in _walk(root, folder))
+    return frozenset(out)
+
+
+def ready(root: Path, folders: Sequence[str], kernels: Sequence[str]) -> bool:
+    """Every kernel of the program has a compiled variant in one of ``folders``."""
+    if not kernels:
+        return False
+    for folder in folders:
+        have = _kernel_dirs(root, folder) or set()
+        if all(k in have and _has_variant(root / folder / k, k) for k in kernels):
+            return True
+    return False
+
+
+def _has_variant(kdir: Path, kernel: str) -> bool:
+    try:
+        return any((Path(v.path) / f"{kernel}.so").is_file() for v in os.scandir(kdir))
+    except OSError:
+        return False
+
+
+def folder_files(root: Path, folders: Sequence[str]) -> Snapshot:
+    """Read every file of ``folders`` (pocl renames its files into place: never partial).
+
+    A folder removed under us is left out; :class:`Lost` if none is left.
+    """
+    files: list[str] = []
+    blobs: list[bytes] = []
+    kept: list[str] = []
+    for folder in folders:
+        try:
+            found = [(rel, path) for rel, path in _walk(root, folder)]
+            data = []
+            for rel, path in found:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                with os.fdopen(fd, "rb") as f:
+                    data.append((rel, f.read()))
+        except OSError:
+            continue  # removed or replaced meanwhile
+        if not any(rel.endswith("/program.bc") for rel, _ in data):
+            continue
+        kept.append(folder)
+        for rel, blob in data:
+            files.append(rel)
+            blobs.append(blob)
+    if not kept:
+        raise Lost(f"pocl's kernel-cache folder {', '.join(folders)} is gone")
+    return Snapshot(blobs, files, kept)
+
+
+def _open_dir(parent: int, name: str) -> int:
+    try:
+        return os.open(name, _O_DIR, dir_fd=parent)
+    except FileNotFoundError:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=parent)
+        return os.open(name, _O_DIR, dir_fd=parent)
+
+
+def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> int:
+    """Write the ``files`` missing under ``root``; returns how many were written.
+
+    Each file is a temp file hard-linked into place, so pocl never reads half a file
+    and an existing file (pocl's own, or a racing writer's) is never replaced. No link
+    below ``root`` is followed. Raises ``OSError`` (the caller builds from source).
+    """
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    dirs: dict[str, int] = {"": rootfd}
+    written = 0
+    try:
+        for rel, blob in zip(files, blobs, strict=True):
+            if not valid_file(rel):
+                raise OSError(errno.EINVAL, f"unsafe path in entry: {rel!r}")
+            *parents, name = rel.split("/")
+            path = ""
+            for part in parents:
+                child = f"{path}/{part}" if path else part
+                if child not in dirs:
+                    dirs[child] = _open_dir(dirs[path], part)
+                path = child
+            dfd = dirs[path]
+            try:
+                os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                continue  # there already: never overwrite what pocl wrote
+            except FileNotFoundError:
+                pass
+            written += _place(dfd, name, blob)
+    finally:
+        for fd in dirs.values():
+            os.close(fd)
+    return written
+
+
+def _place(dfd: int, name: str, blob: bytes) -> int:
+    tmp = TMP_PREFIX + secrets.token_hex(8)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        try:
+            os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+        except FileExistsError:
+            return 0  # written meanwhile (pocl or another process): keep theirs
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            # No hard links here: a rename, after one more look (a tiny race, same content).
+            try:
+                os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                return 0
+            except FileNotFoundError:
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                return 1
+        return 1
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+
+
+def touched(root: Path, folders: Sequence[str], since: float) -> tuple[str, ...]:
+    """The ``folders`` whose ``last_accessed`` pocl touched at or after ``since``."""
+    out = []
+    for folder in folders:
+        try:
+            m = os.stat(root / folder / LAST_ACCESSED, follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        if m >= since - SLACK:
+            out.append(folder)
+    return tuple(out)
+
+
+def entry_folders(files: Sequence[str]) -> list[str]:
+    """The program folders (``XX/hash``) that ``files`` belong to, in order."""
+    return list(dict.fromkeys("/".join(f.split("/")[:2]) for f in files))
+
+
+class KcacheDriver(Driver):
+    """Snapshots pocl's kernel-cache folders on one background thread. Thread-safe."""
+
+    name = "kcache"
+    kind = "kcache"
+    needs_program = False
+    refreshable = True
+    watches_hits = True
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._cond = threading.Condition()
+        self._identify: list[Job] = []
+        # snapshots waiting for the program's first launches
+        self._waiting: list[_Wait] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.scans = 0  # walks of pocl's cache (identification)
+
+    # {{{ caller's threads
+
+    def built(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._identify.append(job)
+            self._start()
+            self._cond.notify()
+
+    def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
+        now = time.time()
+        due = max(job.built_to, now) + SETTLE_SECONDS if purpose is Purpose.SNAPSHOT else now
+        with self._cond:
+            if self._closed:
+                done(None, Dropped("kcache driver closed"))
+                return
+            self._waiting.append(_Wait(job, done, due))
+            self._start()
+            self._cond.notify()
+
+    def hurry(self) -> None:
+        now = time.time()
+        with self._cond:
+            for w in self._waiting:
+                w.due = min(w.due, now)
+            self._cond.notify()
+
+    def stale(self, jobs: Sequence[Job]) -> list[Job]:
+        # A refresh is a comparison of file names: rewrite only what gained a file.
+        return [
+            j
+            for j in jobs
+            if j.folders and not listing(self.root, j.folders) <= j.written_files
+        ]
+
+    def build_from_entry(
+        self,
+        entry: Entry,
+        context: cl.Context,
+        devices: Sequence[cl.Device],
+        options: bytes,
+        build_source: Callable[[], Any],
+    ) -> Hit:
+        files = list(entry.meta.get("files") or [])
+        folders = entry_folders(files)
+        since = time.time()
+        try:
+            restore(self.root, files, entry.binaries)
+        except (OSError, ValueError) as e:
+            # Our I/O failed, not the entry: build from source without restoring.
+            logger.warning("asyncclcache: could not restore pocl's kernel cache: %s", e)
+            return Hit(build_source(), False, f"restore failed: {e}", ())
+        program = build_source()
+        # Devices of one kind share a folder, so one touched folder may serve them all.
+        used = touched(self.root, folders, since)
+        if not used:
+            return Hit(program, False, "pocl computed another kernel-cache folder", ())
+        return Hit(program, True, "", used)
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+            self._identify = []
+            thread = self._thread
+            self._cond.notify()
+        for w in waiting:
+            w.done(None, Dropped("dropped at close"))
+        if thread is not None:
+            thread.join(timeout if timeout is not None else 5.0)
+
+    # }}}
+
+    # {{{ background thread
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="asyncclcache-kcache", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not (self._closed or self._identify or self._due()):
+                    # Waiting snapshots: poll for the launches' variants.
+                    self._cond.wait(POLL_SECONDS if self._waiting else None)
+                if self._closed:
+                    return
+                todo, self._identify = self._identify, []
+                todo += [w.job for w in self._waiting if w.job.folders is None]
+            self._identify_all(todo)
+            for job, done in self._take_ready():
+                try:
+                    if not job.folders:
+                        raise Lost("pocl's kernel-cache folder of this build could not be identified")
+                    snap = folder_files(self.root, job.folders)
+                except BaseException as e:  # noqa: BLE001 - reported through done
+                    done(None, e)
+                    continue
+                job.queried_at = time.time()
+                done(snap, None)
+
+    def _due(self) -> bool:
+        now = time.time()
+        return any(w.due <= now for w in self._waiting)
+
+    def _identify_all(self, jobs: list[Job]) -> None:
+        jobs = [j for j in jobs if j.folders is None]
+        if not jobs:
+            return
+        self.scans += 1
+        found = identify(self.root, [(j.built_from, j.built_to, j.kernels) for j in jobs])
+        for job, folders in zip(jobs, found, strict=True):
+            job.folders = folders
+
+    def _take_ready(self) -> list[tuple[Job, Done]]:
+        # Disk checks outside the lock: fetch() on a caller's thread must never wait on them.
+        now = time.time()
+        with self._cond:
+            waiting = list(self._waiting)
+        take = [
+            w
+            for w in waiting
+            if w.job.folders is not None
+            and (not w.job.folders or w.due <= now or ready(self.root, w.job.folders, w.job.kernels))
+        ]
+        with self._cond:
+            current = {id(w) for w in self._waiting}  # close() may have dropped some meanwhile
+            take = [w for w in take if id(w) in current]
+            taken = {id(w) for w in take}
+            self._waiting = [w for w in self._waiting if id(w) not in taken]
+        return [(w.job, w.done) for w in take]
+
+    # }}}
+
+
+
+class _Wait:
+    __slots__ = ("done", "due", "job")
+
+    def __init__(self, job: Job, done: Done, due: float) -> None:
+        self.job = job
+        self.done = done
+        self.due = due
