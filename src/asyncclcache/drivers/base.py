@@ -79,7 +79,9 @@ class Job:
     warmup_seconds: float | None = None
     #: When the driver's last snapshot was taken (variants older than that are in it).
     queried_at: float = 0.0
-    #: kcache: pocl's folders for this program (``None``: not identified yet).
+    #: kcache: folders touched in the build's window, with the touch time (``None``: not scanned).
+    candidates: tuple[tuple[str, float], ...] | None = None
+    #: kcache: pocl's folders for this program, as last chosen (``None``: not yet).
     folders: tuple[str, ...] | None = None
     #: kcache: the files the last written entry holds.
     written_files: frozenset[str] = frozenset()

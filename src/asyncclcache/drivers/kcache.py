@@ -7,12 +7,15 @@ put into an empty kernel cache on a new node, is used as it is: the build skips 
 front end and the first launch compiles nothing (F16). So nothing is compiled for
 the cache at all: no binary query, no generic variant, no helper.
 
-* **Identify** (background thread): the folders whose ``last_accessed`` moved inside
-  the build's time window. Other builds (threads, ranks sharing pocl's cache) move
-  theirs too; kernel names narrow the set, and a few candidates may stay. A folder
-  that is not ours is harmless: pocl only uses a folder under the name it computes.
-* **Snapshot**: the folder's files, once every kernel has a variant (the first
-  launches), after :data:`SETTLE_SECONDS`, at a step's end or at ``flush()``.
+* **Identify** (background thread, right after the build): the folders whose
+  ``last_accessed`` moved inside the build's time window. Other builds (threads, ranks
+  sharing pocl's cache) move theirs too. At the snapshot the kernel folders that the
+  launches made, and how close each touch was to the end of our build, narrow the set
+  (:func:`choose`); a few candidates may stay. A folder that is not ours is harmless:
+  pocl only uses a folder under the name it computes, and the hit checks which it used.
+* **Snapshot**: the folder's files, once every kernel has a variant compiled since the
+  build (the first launches), else after :data:`SETTLE_SECONDS`, at a step's end or at
+  ``flush()``.
 * **Hit**: write the missing files into pocl's cache (temp file + link, never over
   an existing file, never through a link), do the plain source build, and check
   that pocl touched the folder. If it did not, the caller rejects the entry.
@@ -42,8 +45,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KcacheDriver",
+    "candidates",
+    "choose",
     "folder_files",
-    "identify",
     "kernel_cache_dir",
     "restore",
     "touched",
@@ -59,6 +63,8 @@ TMP_PREFIX = ".acc-tmp-"
 SLACK = 0.05
 #: More candidate folders than this for one build: give up on it (counted).
 MAX_CANDIDATES = 4
+#: Touches this much further from the end of our build than the closest one are others'.
+CLOSE = 0.05
 #: Outside a step, snapshot at the latest this long after the build.
 SETTLE_SECONDS = 3.0
 POLL_SECONDS = 0.2
@@ -121,40 +127,45 @@ def _kernel_dirs(root: Path, folder: str) -> set[str] | None:
         return None
 
 
-def _mentions(root: Path, folder: str, kernels: Sequence[str]) -> bool:
-    # The bitcode's string table holds every function name as plain bytes.
-    try:
-        with open(root / folder / "program.bc", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return all(k.encode() in data for k in kernels)
-
-
-def identify(
-    root: Path, windows: Sequence[tuple[float, float, Sequence[str]]]
-) -> list[tuple[str, ...]]:
-    """For each build window ``(t0, t1, kernel names)``, the candidate folders (one scan).
-
-    In the window first; else touched since (the same program built again meanwhile).
-    Narrowed by the kernel folders a launch made and by the names in ``program.bc``.
-    An empty tuple: none, or more than :data:`MAX_CANDIDATES`.
-    """
+def candidates(
+    root: Path, windows: Sequence[tuple[float, float]]
+) -> list[tuple[tuple[str, float], ...]]:
+    """For each build window ``(t0, t1)``, the folders touched in it, with the touch time
+    (one scan for all). Touched later only (the same program built again since): those."""
     if not windows:
         return []
     oldest = min(w[0] for w in windows) - SLACK
     seen = [(rel, m) for rel, m in _program_folders(root) if m >= oldest]
-    out: list[tuple[str, ...]] = []
-    for t0, t1, kernels in windows:
-        inside = [rel for rel, m in seen if t0 - SLACK <= m <= t1 + SLACK]
-        found = inside or [rel for rel, m in seen if m >= t0 - SLACK]
-        if len(found) > 1 and kernels:
-            names = set(kernels)
-            narrowed = [f for f in found if (_kernel_dirs(root, f) or set()) <= names]
-            narrowed = [f for f in narrowed if _mentions(root, f, kernels)]
-            found = narrowed or found
-        out.append(tuple(sorted(found)) if 0 < len(found) <= MAX_CANDIDATES else ())
+    out = []
+    for t0, t1 in windows:
+        inside = [(rel, m) for rel, m in seen if t0 - SLACK <= m <= t1 + SLACK]
+        out.append(tuple(inside or [(rel, m) for rel, m in seen if m >= t0 - SLACK]))
     return out
+
+
+def choose(
+    root: Path, found: Sequence[tuple[str, float]], built_to: float, kernels: Sequence[str]
+) -> tuple[str, ...]:
+    """Narrow a build's candidate folders to the few that can be its own; ``()`` if none or
+    too many are left (then nothing is stored).
+
+    * A launch makes ``<kernel>/`` folders: a folder with kernels the program lacks is
+      another program's. (One with the same names may be either: timing decides.)
+    * pocl touches ``last_accessed`` as the build returns: touches much earlier than the
+      end of our build belong to builds that ran meanwhile.
+    """
+    names = set(kernels)
+    pool = []
+    for f, m in found:
+        dirs = _kernel_dirs(root, f)
+        if dirs is not None and dirs <= names:
+            pool.append((f, m))
+    if not pool:
+        return ()
+    if all(m <= built_to + SLACK for _, m in pool):
+        best = min(built_to - m for _, m in pool)
+        pool = [(f, m) for f, m in pool if built_to - m <= best + CLOSE]
+    return tuple(sorted(f for f, _ in pool)) if len(pool) <= MAX_CANDIDATES else ()
 
 
 def _walk(root: Path, folder: str) -> Iterator[tuple[str, str]]:
@@ -180,22 +191,27 @@ def listing(root: Path, folders: Sequence[str]) -> frozenset[str]:
     return frozenset(out)
 
 
-def ready(root: Path, folders: Sequence[str], kernels: Sequence[str]) -> bool:
-    """Every kernel of the program has a compiled variant in one of ``folders``."""
+def ready(root: Path, folders: Sequence[str], kernels: Sequence[str], since: float) -> bool:
+    """Every kernel of the program has a variant compiled at or after ``since`` in one of
+    ``folders`` (the first launches are done; older variants were there before)."""
     if not kernels:
         return False
     for folder in folders:
         have = _kernel_dirs(root, folder) or set()
-        if all(k in have and _has_variant(root / folder / k, k) for k in kernels):
+        if all(k in have and _new_variant(root / folder / k, k, since) for k in kernels):
             return True
     return False
 
 
-def _has_variant(kdir: Path, kernel: str) -> bool:
+def _new_variant(kdir: Path, kernel: str, since: float) -> bool:
     try:
-        return any((Path(v.path) / f"{kernel}.so").is_file() for v in os.scandir(kdir))
+        for v in os.scandir(kdir):
+            with contextlib.suppress(OSError):
+                if os.stat(os.path.join(v.path, f"{kernel}.so")).st_mtime >= since - SLACK:
+                    return True
     except OSError:
-        return False
+        pass
+    return False
 
 
 def folder_files(root: Path, folders: Sequence[str]) -> Snapshot:
@@ -425,10 +441,13 @@ class KcacheDriver(Driver):
                 if self._closed:
                     return
                 todo, self._identify = self._identify, []
-                todo += [w.job for w in self._waiting if w.job.folders is None]
-            self._identify_all(todo)
+                todo += [w.job for w in self._waiting]
+            self._scan(todo)
             for job, done in self._take_ready():
                 try:
+                    if job.candidates is not None:
+                        # Again at every snapshot: launches since narrow the choice.
+                        job.folders = choose(self.root, job.candidates, job.built_to, job.kernels)
                     if not job.folders:
                         raise Lost("pocl's kernel-cache folder of this build could not be identified")
                     snap = folder_files(self.root, job.folders)
@@ -442,32 +461,36 @@ class KcacheDriver(Driver):
         now = time.time()
         return any(w.due <= now for w in self._waiting)
 
-    def _identify_all(self, jobs: list[Job]) -> None:
-        jobs = [j for j in jobs if j.folders is None]
+    def _scan(self, jobs: list[Job]) -> None:
+        jobs = list({id(j): j for j in jobs if j.candidates is None and j.folders is None}.values())
         if not jobs:
             return
         self.scans += 1
-        found = identify(self.root, [(j.built_from, j.built_to, j.kernels) for j in jobs])
-        for job, folders in zip(jobs, found, strict=True):
-            job.folders = folders
+        found = candidates(self.root, [(j.built_from, j.built_to) for j in jobs])
+        for job, cands in zip(jobs, found, strict=True):
+            job.candidates = cands
 
     def _take_ready(self) -> list[tuple[Job, Done]]:
         # Disk checks outside the lock: fetch() on a caller's thread must never wait on them.
         now = time.time()
         with self._cond:
             waiting = list(self._waiting)
-        take = [
-            w
-            for w in waiting
-            if w.job.folders is not None
-            and (not w.job.folders or w.due <= now or ready(self.root, w.job.folders, w.job.kernels))
-        ]
+        take = [w for w in waiting if self._ready(w, now)]
         with self._cond:
             current = {id(w) for w in self._waiting}  # close() may have dropped some meanwhile
             take = [w for w in take if id(w) in current]
             taken = {id(w) for w in take}
             self._waiting = [w for w in self._waiting if id(w) not in taken]
         return [(w.job, w.done) for w in take]
+
+    def _ready(self, w: _Wait, now: float) -> bool:
+        job = w.job
+        if job.candidates is None and job.folders is None:
+            return False  # not scanned yet
+        if w.due <= now:
+            return True
+        folders = [f for f, _ in job.candidates] if job.candidates is not None else list(job.folders or ())
+        return not folders or ready(self.root, folders, job.kernels, job.built_from)
 
     # }}}
 

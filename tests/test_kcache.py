@@ -1,0 +1,250 @@
+"""Strategy kcache: pocl's own kernel-cache folder is the entry (DESIGN.md F15, F16).
+
+Every scenario runs on real pocl, a "new node" being a child with an empty POCL_CACHE_DIR.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+import asyncclcache as acc
+from asyncclcache.drivers import kcache
+from asyncclcache.entry import Entry
+from asyncclcache.store import Store
+from conftest import child_json, run_child, run_in_threads
+from kernels import run_twice, small_source
+
+# Builds one program, launches it with local size 16, flushes; reports pocl's files.
+RUN = r"""
+import json, os, pathlib, sys, time
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+pocl = pathlib.Path(os.environ["POCL_CACHE_DIR"])
+def files():
+    return sorted(str(p.relative_to(pocl)) for p in pocl.rglob("*")
+                  if p.is_file() and p.parent != pocl and p.name != "last_accessed")
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1], strategy=sys.argv[3] if len(sys.argv) > 3 else "auto")
+prg = cache.program(ctx, small_source(salt=sys.argv[2], repeat=20)).build()
+after_build = files()
+ok = run_twice(ctx, prg, local_size=(16,))
+after_launch = files()
+flushed = cache.flush(120)
+drivers = sorted(cache._drivers)
+print(json.dumps({"ok": ok, "flushed": flushed, "after_build": after_build, "after_launch": after_launch,
+                  "key": prg.cache_key, "drivers": drivers, "stats": cache.stats().as_dict()}))
+"""
+
+
+def test_cold_run_compiles_nothing_extra_and_new_node_compiles_nothing(cache_dir):
+    cold = child_json(run_child(RUN, str(cache_dir), "new-node"))
+    assert cold["ok"] and cold["flushed"] and cold["drivers"] == ["kcache"]
+    s = cold["stats"]
+    assert (s["misses"], s["writes"], s["warmups"], s["unidentified"]) == (1, 1, 0, 0)
+    # No helper process: only the kcache driver was ever created.
+    # Only the launched variant: no generic (0-0-0) variant was compiled for the cache.
+    assert not [f for f in cold["after_launch"] if "/0-0-0" in f]
+    assert any("/16-1-1" in f and f.endswith(".so") for f in cold["after_launch"])
+
+    entry = Store(cache_dir).load(cold["key"])
+    assert entry is not None and entry.kind == "kcache"
+    stored = sorted(entry.meta["files"])
+    assert stored == cold["after_launch"]
+
+    warm = child_json(run_child(RUN, str(cache_dir), "new-node"))  # empty POCL_CACHE_DIR
+    assert warm["ok"] and warm["stats"]["hits"] == 1 and warm["stats"]["misses"] == 0
+    assert warm["after_build"] == stored  # restored before the build
+    assert warm["after_launch"] == stored  # and the launch compiled nothing new
+    assert warm["stats"]["writes"] == 0 and warm["stats"]["rejected"] == 0
+
+
+def test_kernel_cache_off_falls_back_to_process(cache_dir):
+    out = child_json(run_child(RUN, str(cache_dir), "kcache-off", env={"POCL_KERNEL_CACHE": "0"}))
+    assert out["ok"] and out["flushed"] and out["drivers"] == ["process"]
+    assert out["stats"]["writes"] == 1 and out["stats"]["warmups"] == 1
+    entry = Store(cache_dir).load(out["key"])
+    assert entry is not None and entry.kind == "binary"
+    # Naming kcache where it cannot work gives the same fallback.
+    named = child_json(run_child(RUN, str(cache_dir / "named"), "kcache-off", "kcache",
+                                 env={"POCL_KERNEL_CACHE": "0"}))
+    assert named["drivers"] == ["process"]
+
+
+def test_threads_building_at_once_each_find_their_own_folder(cl_ctx, cache_dir):
+    cache = acc.Cache(cache_dir)
+    sources = [small_source(name=f"k{i}", repeat=10) for i in range(4)]
+    prgs: dict[int, object] = {}
+
+    def work(i: int) -> None:
+        prgs[i] = cache.program(cl_ctx, sources[i]).build()
+        assert run_twice(cl_ctx, prgs[i], name=f"k{i}")
+
+    assert not run_in_threads(4, work)
+    assert cache.flush(120)
+    s = cache.stats()
+    assert (s.writes, s.unidentified) == (4, 0)
+    store = Store(cache_dir)
+    for i, prg in prgs.items():
+        entry = store.load(prg.cache_key)
+        assert entry is not None
+        # Its own kernel's folder is in it; another program's kernel never is.
+        kernels = {f.split("/")[2] for f in entry.meta["files"] if f.count("/") >= 4}
+        assert kernels == {f"k{i}"}
+    cache.close()
+
+
+def test_entry_with_a_folder_pocl_does_not_compute_is_rejected_and_replaced(cache_dir):
+    first = child_json(run_child(RUN, str(cache_dir), "foreign"))
+    store = Store(cache_dir)
+    good = store.load(first["key"])
+    assert good is not None
+    # The same files under a folder name pocl will never compute (another pocl build, say).
+    moved = ["ZZ/" + "Q" * 38 + "/" + f.split("/", 2)[2] for f in good.meta["files"]]
+    store.publish(Entry(good.key, good.binaries, dict(good.meta, files=moved)))
+
+    code = RUN.replace("flushed = cache.flush(120)", "import warnings\nflushed = cache.flush(120)")
+    proc = run_child(code, str(cache_dir), "foreign", env={"PYTHONWARNINGS": "always"})
+    out = child_json(proc)
+    assert "rejected the stored kernel-cache files" in proc.stderr
+    assert out["ok"] and out["flushed"]
+    s = out["stats"]
+    assert (s["hits"], s["misses"], s["rejected"], s["writes"]) == (0, 1, 1, 1)
+    replaced = store.load(first["key"])
+    assert replaced is not None and replaced.meta["files"] == good.meta["files"]
+    again = child_json(run_child(RUN, str(cache_dir), "foreign"))
+    assert again["stats"]["hits"] == 1 and again["stats"]["rejected"] == 0
+
+
+def test_partial_folder_is_completed_not_overwritten(cache_dir, tmp_path):
+    first = child_json(run_child(RUN, str(cache_dir), "partial"))
+    entry = Store(cache_dir).load(first["key"])
+    assert entry is not None
+    node = tmp_path / "node"
+    files = dict(zip(entry.meta["files"], entry.binaries, strict=True))
+    bc = next(f for f in files if f.endswith("/program.bc"))
+    # This node already has the program's bitcode (pocl wrote it), not its variant.
+    (node / bc).parent.mkdir(parents=True)
+    (node / bc).write_bytes(files[bc])
+    before = os.stat(node / bc)
+    warm = child_json(run_child(RUN, str(cache_dir), "partial", pocl_cache=node))
+    assert warm["ok"] and warm["stats"]["hits"] == 1
+    after = os.stat(node / bc)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert sorted(warm["after_build"]) == sorted(files)  # the variant was added
+
+
+def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
+    root = tmp_path / "kc"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = "AB/" + "C" * 38
+    (root / "AB").mkdir(parents=True)
+    (root / folder).symlink_to(outside)  # a planted link where the program folder goes
+    with pytest.raises(OSError):
+        kcache.restore(root, [f"{folder}/program.bc"], [b"bitcode"])
+    assert list(outside.iterdir()) == []
+
+    (root / folder).unlink()
+    (root / folder / "k" / "v").mkdir(parents=True)
+    (root / folder / "program.bc").write_bytes(b"pocl's own")
+    n = kcache.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"])
+    assert n == 1
+    assert (root / folder / "program.bc").read_bytes() == b"pocl's own"
+    assert (root / folder / "k/v/k.so").read_bytes() == b"so"
+    assert not [p for p in (root / folder).rglob(".acc-tmp-*")]
+
+    for bad in ("../x/y/program.bc", "/etc/passwd", "AB/../../x", f"{folder}/../../../evil", "AB"):
+        with pytest.raises(OSError):
+            kcache.restore(root, [bad], [b"x"])
+
+
+def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir):
+    cache = acc.Cache(cache_dir)
+    prg = cache.program(cl_ctx, small_source()).build()
+    assert cache.flush(120)
+    store = Store(cache_dir)
+    good = store.load(prg.cache_key)
+    assert good is not None
+    files = list(good.meta["files"])
+    files[0] = "../../escape/program.bc"
+    store.publish(Entry(good.key, good.binaries, dict(good.meta, files=files)))
+    cache.close()
+    with pytest.warns(acc.CorruptEntryWarning, match="unsafe kernel-cache path"):
+        assert store.load(prg.cache_key) is None
+
+
+def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache_dir):
+    import shutil
+
+    root = kcache.kernel_cache_dir()
+    assert root is not None
+    cache = acc.Cache(cache_dir)
+    with cache.step() as _:
+        prg = cache.program(cl_ctx, small_source()).build()
+        assert run_twice(cl_ctx, prg)
+        # Find pocl's folder for this build the way the driver does, then remove it.
+        job = cache._jobs[prg.cache_key]
+        (found,) = kcache.candidates(root, [(job.built_from, job.built_to)])
+        (folder,) = kcache.choose(root, found, job.built_to, job.kernels)
+        shutil.rmtree(root / folder)
+    assert cache.flush(60)
+    s = cache.stats()
+    assert (s.writes, s.unidentified, s.errors) == (0, 1, 0)
+    assert Store(cache_dir).load(prg.cache_key) is None
+    cache.close()
+
+
+def test_refresh_rewrites_only_when_a_folder_gained_a_variant(cl_ctx, cache_dir):
+    cache = acc.Cache(cache_dir)
+    prg = cache.program(cl_ctx, small_source()).build()
+    assert run_twice(cl_ctx, prg, local_size=(4,))
+    assert cache.flush(60)
+    assert cache.flush(60) and cache.flush(60)  # nothing new: nothing rewritten
+    assert (cache.stats().writes, cache.stats().refreshes) == (1, 0)
+    assert run_twice(cl_ctx, prg, local_size=(8,))  # a new variant
+    assert cache.flush(60)
+    assert (cache.stats().writes, cache.stats().refreshes) == (2, 1)
+    entry = Store(cache_dir).load(prg.cache_key)
+    assert entry is not None and any("/8-1-1" in f for f in entry.meta["files"])
+    cache.close()
+
+
+def test_a_hit_that_compiles_a_new_variant_refreshes_its_entry(cache_dir):
+    first = child_json(run_child(RUN, str(cache_dir), "hit-refresh"))
+    code = RUN.replace("ok = run_twice(ctx, prg, local_size=(16,))",
+                       "ok = run_twice(ctx, prg, local_size=(16,)) and run_twice(ctx, prg, local_size=(32,))")
+    warm = child_json(run_child(code, str(cache_dir), "hit-refresh"))
+    assert warm["ok"] and warm["stats"]["hits"] == 1
+    assert (warm["stats"]["writes"], warm["stats"]["refreshes"]) == (1, 1)
+    entry = Store(cache_dir).load(first["key"])
+    assert entry is not None and any("/32-1-1" in f for f in entry.meta["files"])
+
+
+def test_snapshot_waits_for_the_first_launch(cl_ctx, cache_dir):
+    # Outside a step the entry is taken once every kernel has a variant (or after a while).
+    cache = acc.Cache(cache_dir)
+    prg = cache.program(cl_ctx, small_source()).build()
+    assert run_twice(cl_ctx, prg, local_size=(2,))
+    import time
+
+    deadline = time.monotonic() + kcache.SETTLE_SECONDS - 0.5
+    while cache.stats().writes == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cache.stats().writes == 1, "not written as soon as the launch compiled its variant"
+    entry = Store(cache_dir).load(prg.cache_key)
+    assert entry is not None and any("/2-1-1" in f for f in entry.meta["files"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.close()
+
+
+def test_stored_files_are_what_pocl_wrote(cache_dir):
+    out = child_json(run_child(RUN, str(cache_dir), "content"))
+    entry = Store(cache_dir).load(out["key"])
+    assert entry is not None
+    assert all(kcache.valid_file(f) for f in entry.meta["files"])
+    assert not any(Path(f).name == "last_accessed" for f in entry.meta["files"])
