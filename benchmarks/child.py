@@ -15,9 +15,14 @@ numbers as JSON to ``spec["out"]``. Tasks:
 
 Variants: ``nocache`` (pyopencl, ``PYOPENCL_NO_CACHE=1``), ``default`` (pyopencl as
 installed: on pocl and NVIDIA it leaves caching to the driver's kernel cache),
-``pyopencl`` (pyopencl's binary cache forced on), ``acc`` / ``acc-sync`` /
-``acc-thread`` (asyncclcache with strategy auto / sync / thread), ``acc-shared``
-(auto, one directory for all ranks; ``acc`` is rank-local).
+``pyopencl`` (pyopencl's binary cache forced on), ``pyopencl-spec0`` (the same with
+``POCL_WORK_GROUP_SPECIALIZATION=0``, set by run.py: generic variants only), ``acc`` /
+``acc-process`` / ``acc-sync`` / ``acc-thread`` (asyncclcache with strategy auto (kcache
+on pocl) / process / sync / thread), ``acc-shared`` (auto, one directory for all ranks;
+``acc`` is rank-local).
+
+``first_result`` also times steps 2..N (``steps``, default 5): every kernel launched again,
+so the kernel time shows what work-group specialization is worth.
 
 A spec with ``start_at`` (a ``time.time()`` value) waits until then before its timed
 part: run.py starts the ranks of one measurement together that way.
@@ -97,7 +102,7 @@ def make_builder(ctx: cl.Context) -> Callable[[str], Any]:
         # run.py sets PYOPENCL_NO_CACHE=1 for nocache only.
         assert (VARIANT == "nocache") == cl._PYOPENCL_NO_CACHE
         return lambda src: cl.Program(ctx, src).build()
-    if VARIANT == "pyopencl":
+    if VARIANT.startswith("pyopencl"):
         import pyopencl.characterize
 
         # pyopencl >= 2024.2.3 switches its binary cache off for pocl; force it on.
@@ -122,6 +127,7 @@ class Bench:
         self.bd = cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=self.b)
         self.cd = cl.Buffer(self.ctx, mf.WRITE_ONLY, self.a.nbytes)
         self.build_descr: dict[str, int] = {}
+        self.built: list[tuple[Any, Prog]] = []
 
     def launch_check(self, prg: Any, prog: Prog) -> None:
         for k in prog.kernels:
@@ -139,6 +145,7 @@ class Bench:
             t1 = pc()
             self.launch_check(prg, p)
             t2 = pc()
+            self.built.append((prg, p))
             t_build += t1 - t0
             t_launch += t2 - t1
             descr = getattr(prg, "_build_duration_info", None)
@@ -194,6 +201,14 @@ def task_first_result() -> None:
     parts = bench.run(progs, build)
     t1 = pc()
     RESULT.update(first_result_s=t1 - t0, programs=len(progs), **parts)
+    # Steps 2..N of a simulation: the same kernels again (compiled now, whatever the variant).
+    steps = int(SPEC.get("steps", 5))
+    ts = pc()
+    for _ in range(steps - 1):
+        for prg, p in bench.built:
+            bench.launch_check(prg, p)
+    RESULT["steps_s"] = pc() - ts
+    RESULT["steps"] = steps
     if CACHE is not None:
         RESULT["strategies_used"] = sorted(CACHE._drivers)
     RESULT["build_descr"] = bench.build_descr

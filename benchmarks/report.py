@@ -15,12 +15,16 @@ from pathlib import Path
 from typing import Any
 
 #: Column order everywhere.
-VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-sync", "acc-thread", "acc-shared"]
+VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-process", "acc-sync",
+            "acc-thread", "acc-shared"]
+#: Column heads; ``acc`` is renamed after the strategy auto picked on the machine (render()).
 HEAD = {
     "nocache": "no cache",
     "default": "driver cache",
     "pyopencl": "pyopencl cache",
+    "pyopencl-spec0": "pyopencl cache, WG spec. off",
     "acc": "acc (auto)",
+    "acc-process": "acc process",
     "acc-sync": "acc sync",
     "acc-thread": "acc thread",
     "acc-shared": "acc shared",
@@ -32,7 +36,13 @@ LEGEND = {
     "pocl and NVIDIA (pocl's `POCL_CACHE_DIR`, CUDA's `CUDA_CACHE_PATH`); its warm runs "
     "reuse that cache, i.e. the **same node** (†) — on a new node it is cold",
     "pyopencl": "pyopencl's own binary cache, forced on (`has_src_build_cache` patched)",
-    "acc": "asyncclcache, strategy `auto`",
+    "pyopencl-spec0": "pyopencl's binary cache with `POCL_WORK_GROUP_SPECIALIZATION=0`: every "
+    "launch uses the generic variant, so its BINARIES query compiles nothing more (DESIGN.md "
+    "F17), at the price of unspecialized kernels (see the steps 2..N row)",
+    "acc": "asyncclcache, strategy `auto` (on pocl with its kernel cache on: `kcache`, the "
+    "program's kernel-cache folder is the entry; nothing is compiled for the cache)",
+    "acc-process": "asyncclcache, strategy `process` (helper process: generic compile + "
+    "BINARIES query)",
     "acc-sync": "asyncclcache, strategy `sync` (binary query inline in `build()`)",
     "acc-thread": "asyncclcache, strategy `thread` (query on a background thread)",
     "acc-shared": "asyncclcache `auto`, one directory for all ranks (`acc` is rank-local)",
@@ -40,8 +50,8 @@ LEGEND = {
 SAME_NODE = "†"
 PLOTS = ("first_result", "cold_warm", "ranks")
 #: One colour per variant in every plot.
-COLOR = {"nocache": "C7", "default": "C5", "pyopencl": "C3", "acc": "C0", "acc-sync": "C9",
-         "acc-thread": "C1", "acc-shared": "C2"}
+COLOR = {"nocache": "C7", "default": "C5", "pyopencl": "C3", "pyopencl-spec0": "C6", "acc": "C0",
+         "acc-process": "C4", "acc-sync": "C9", "acc-thread": "C1", "acc-shared": "C2"}
 
 
 # {{{ numbers
@@ -169,6 +179,12 @@ def first_result_table(R: dict[str, Any], variants: list[str], summary: dict[str
               f"{num(cr, 3)} ({met(cr, 1.05)})")
         t.add(f"{label}: **warm**, new node [s]", warm,
               f"{num(wr, 3)} of cold ({met(wr, 0.05)})")
+        cpu = {v: cell(res[v]["cold"], lambda r: r["group_cpu_s"], 1) for v in res}
+        cpur = ratio(cpu.get("acc", Cell(None)).value, cpu.get("nocache", Cell(None)).value)
+        summary[f"{wl}_cold_cpu_ratio"] = cpur
+        t.add(f"{label}: cold, CPU of all processes [s]", cpu, f"{num(cpur, 3)} ({met(cpur, 1.05)})")
+        t.add(f"{label}: cold, kernel time of steps 2..N [s]",
+              {v: cell(res[v]["cold"], lambda r: r["steps_s"], 3) for v in res})
         t.add(f"{label}: background work left at first result (flush + close) [s]",
               {v: cell(res[v]["cold"], lambda r: r["flush_s"] + r["close_s"])
                for v in res if v.startswith("acc")}, best=False)
@@ -273,11 +289,14 @@ def ranks_table(R: dict[str, Any], summary: dict[str, Any]) -> Table | None:
         ra = ratio(cold.get("acc", Cell(None)).value, base)
         rs = ratio(cold.get("acc-shared", Cell(None)).value, base)
         summary.setdefault("ranks_cold_ratio", {})[R_] = {"acc": ra, "acc-shared": rs}
+        cpu = {v: c(v, "cold", "cpu_s", 1) for v in variants}
+        summary.setdefault("ranks_cpu_ratio", {})[R_] = {
+            v: ratio(cpu[v].value, cpu.get("nocache", Cell(None)).value) for v in cpu}
         t.add(f"R={R_}: **cold** per-rank first result, median [s]", cold,
               f"{num(ra)} / {num(rs)} ({met(max(ra or 0, rs or 0) or None, 1.1)})")
         t.add(f"R={R_}: cold, slowest rank [s]", {v: c(v, "cold", "max") for v in variants})
-        t.add(f"R={R_}: cold, CPU of all ranks and helpers [s]",
-              {v: c(v, "cold", "cpu_s", 1) for v in variants})
+        t.add(f"R={R_}: cold, CPU of all ranks and helpers [s]", cpu,
+              f"{num(summary['ranks_cpu_ratio'][R_].get('acc'))} ({met(summary['ranks_cpu_ratio'][R_].get('acc'), 1.05)})")
         warm = {v: c(v, "warm", "median", 3) for v in variants if v != "nocache"}
         if "default" in warm:
             warm["default"].text += SAME_NODE
@@ -374,6 +393,8 @@ def auto_md(R: dict[str, Any]) -> str:
 
 def render(R: dict[str, Any], plots: list[str]) -> str:
     summary: dict[str, Any] = {}
+    auto = (R.get("machine") or {}).get("auto_strategy")
+    HEAD["acc"] = f"acc {auto} (auto)" if auto else "acc (auto)"
     used = [v for v in VARIANTS if v in set(R.get("variants_used") or [])]
     a = R.get("args") or {}
     md = [

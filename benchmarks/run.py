@@ -42,8 +42,10 @@ sys.path.insert(0, str(HERE))
 import report  # noqa: E402
 
 #: Single-process variants (report.VARIANTS has them all).
-VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-sync", "acc-thread"]
-RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
+VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-process", "acc-sync",
+            "acc-thread"]
+QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-process"]
+RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-process", "acc-shared"]
 SECTIONS = ["seed", "multi", "stall", "throughput", "ranks"]
 
 
@@ -129,6 +131,8 @@ class Runner:
         env.update(extra)
         if variant == "nocache":
             env["PYOPENCL_NO_CACHE"] = "1"
+        if variant == "pyopencl-spec0":
+            env["POCL_WORK_GROUP_SPECIALIZATION"] = "0"
         src = str(REPO / "src")
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
@@ -323,7 +327,7 @@ def measure_first_result(
                                     "workload_args": workload_args or {}}
             if v.startswith("acc"):
                 spec["acc_dir"] = runner.fresh(f"{v}-cache")
-            if v == "pyopencl":
+            if v.startswith("pyopencl"):
                 spec["pyopencl_dir"] = runner.fresh("pyopencl-cache")
             node = runner.node()
             cold = runner.run([dict(spec, _env=runner.env(v, node))])[0]
@@ -372,7 +376,7 @@ def measure_stall(runner: Runner, cases: dict[str, tuple[str, ...]], reps: int,
                                         "workload_args": workload_args}
                 if v.startswith("acc"):
                     spec["acc_dir"] = runner.fresh(f"{v}-cache")
-                if v == "pyopencl":
+                if v.startswith("pyopencl"):
                     spec["pyopencl_dir"] = runner.fresh("pyopencl-cache")
                 r = runner.run([dict(spec, _env=runner.env(v))], timeout=300)[0]
                 res.setdefault(name, {}).setdefault(probe, []).append(r)
@@ -404,7 +408,7 @@ def measure_throughput(
                 }
                 if v.startswith("acc"):
                     spec["acc_dir"] = runner.fresh(f"{v}-cache")
-                if v == "pyopencl":
+                if v.startswith("pyopencl"):
                     spec["pyopencl_dir"] = runner.fresh("pyopencl-cache")
                 specs.append(dict(spec, _env=runner.env(v)))
             t0 = time.perf_counter()
@@ -413,7 +417,7 @@ def measure_throughput(
             entries = None
             if v.startswith("acc"):
                 entries = sum((r.get("final") or {}).get("entries") or 0 for r in rs)
-            elif v == "pyopencl":
+            elif v.startswith("pyopencl"):
                 entries = programs
             one = {
                 "wall_s": max(r["wall_s"] for r in rs),
@@ -578,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_args = {"n": args.n}
         if "seed" in sections:
             log.section("seed")
-            v = use(VARIANTS if full else ["nocache", "default", "pyopencl", "acc"])
+            v = use(VARIANTS if full else QUICK_VARIANTS)
             save("first_result_seed",
                  measure_first_result(runner, "seed", v, reps, reps, seed_args))
         if "multi" in sections:
@@ -595,21 +599,22 @@ def main(argv: list[str] | None = None) -> int:
             save("stall", measure_stall(runner, cases, min(reps, 2), seed_args))
         if "throughput" in sections:
             log.section("throughput")
-            v = use(["nocache", "pyopencl", "acc"] if full else ["nocache", "acc"])
+            v = use(["nocache", "pyopencl", "acc", "acc-process"] if full
+                    else ["nocache", "acc", "acc-process"])
             progs = 200 if full else 100
             tp_reps = min(reps, 2)
             save("throughput_1",
                  measure_throughput(runner, v, progs, 1, tp_reps, {"pyopencl": 1}))
             if full:
                 save("throughput_2",
-                     measure_throughput(runner, ["nocache", "acc"], progs, 2, tp_reps))
+                     measure_throughput(runner, ["nocache", "acc", "acc-process"], progs, 2, tp_reps))
         if "ranks" in sections:
             log.section("ranks")
             if ranks is None:
                 cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
                     os.cpu_count() or 1)
                 ranks = default_ranks(cores)
-            v = RANK_VARIANTS if full else ["nocache", "acc", "acc-shared"]
+            v = RANK_VARIANTS if full else ["nocache", "acc", "acc-process", "acc-shared"]
             use([x for x in v if x != "acc-shared"])
             R["ranks"] = measure_ranks(runner, ranks, v, args.n, min(reps, 2), 1,
                                        lambda res: save("ranks", res))

@@ -44,38 +44,45 @@ def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[" in r.stdout and "1/2 seed]" in r.stdout and "2/2 ranks]" in r.stdout  # progress
     R = json.loads((out / "report.json").read_text())
-    assert R["machine"]["auto_strategy"] == "process"  # pocl's CPU device
+    assert R["machine"]["auto_strategy"] == "kcache"  # pocl's CPU device, kernel cache on
     seed = R["first_result_seed"]
-    assert set(seed) == {"nocache", "default", "pyopencl", "acc"}
+    assert set(seed) == {"nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-process"}
     for v, runs in seed.items():
         assert len(runs["cold"]) == 1
         for run in runs["cold"] + runs["warm"]:
             assert not run.get("error"), (v, run.get("log_tail"))
             assert run["first_result_s"] > 0 and run["programs"] == 1  # checked by the child
+            assert run["steps_s"] > 0 and run["steps"] == 5
         assert len(runs["warm"]) == (0 if v == "nocache" else 1)
     acc_cold, acc_warm = seed["acc"]["cold"][0], seed["acc"]["warm"][0]
-    assert acc_cold["strategies_used"] == ["process"]
+    assert acc_cold["strategies_used"] == ["kcache"]
     assert acc_cold["entries"] == 1 and acc_cold["stats_final"]["writes"] == 1
+    assert acc_cold["stats_final"]["warmups"] == 0
     assert acc_warm["stats_timed"]["hits"] == 1 and acc_warm["stats_timed"]["misses"] == 0
+    proc_cold = seed["acc-process"]["cold"][0]
+    assert proc_cold["strategies_used"] == ["process"] and proc_cold["stats_final"]["warmups"] == 1
+    assert seed["acc-process"]["warm"][0]["stats_timed"]["hits"] == 1
 
 
-def test_rank_sweep_warms_up_once_per_rank_or_once_shared(quick_run: tuple[Path, Any]) -> None:
+def test_rank_sweep_writes_once_per_rank_or_once_shared(quick_run: tuple[Path, Any]) -> None:
     out, r = quick_run
     assert r.returncode == 0, r.stdout[-3000:]
     rows = json.loads((out / "report.json").read_text())["ranks"]["rows"]
     assert set(rows) == {"2"}
     row = rows["2"]
-    assert set(row) == {"nocache", "acc", "acc-shared"}
+    assert set(row) == {"nocache", "acc", "acc-process", "acc-shared"}
     for v, phases in row.items():
         for run in phases["cold"] + phases["warm"]:
             assert not run["error"], (v, run)
             assert len(run["per_rank"]) == 2 and all(t > 0 for t in run["per_rank"])
-    # Rank-local: each rank warms up and writes its own entry; shared: one claim wins.
-    assert row["acc"]["cold"][0]["warmups"] == 2 and row["acc"]["cold"][0]["writes"] == 2
+    # Rank-local: each rank writes its own entry (kcache: no warm-up; process: one each);
+    # shared: one claim wins.
+    assert row["acc"]["cold"][0]["warmups"] == 0 and row["acc"]["cold"][0]["writes"] == 2
+    assert row["acc-process"]["cold"][0]["warmups"] == 2 and row["acc-process"]["cold"][0]["writes"] == 2
     shared = row["acc-shared"]["cold"][0]
-    assert shared["warmups"] == 1 and shared["writes"] == 1
+    assert shared["warmups"] == 0 and shared["writes"] == 1
     assert shared["skipped"] + shared["hits"] == 1  # the other rank skipped (or came late)
-    for v in ("acc", "acc-shared"):
+    for v in ("acc", "acc-process", "acc-shared"):
         warm = row[v]["warm"][0]
         assert warm["hits"] == 2 and warm["misses"] == 0 and warm["warmups"] == 0
 
@@ -85,9 +92,10 @@ def test_report_marks_best_explains_auto_and_plots(quick_run: tuple[Path, Any]) 
     assert r.returncode == 0
     md = (out / "report.md").read_text()
     assert "## Machine" in md and "Portable Computing Language" in md
-    assert "**Why `auto` picks `process` on this driver:**" in md
+    assert "**Why `auto` picks `kcache` on this driver:**" in md
+    assert "acc kcache (auto)" in md and "acc process" in md and "steps 2..N" in md
     cold_row = next(line for line in md.splitlines() if "**cold** first result" in line)
-    cells = cold_row.split("|")[2:6]  # no cache, driver cache, pyopencl cache, acc
+    cells = cold_row.split("|")[2:8]  # no cache, driver, pyopencl, pyopencl spec0, acc, acc process
     assert sum("**" in c for c in cells) >= 1, cold_row  # the lowest is bold
     assert "## Ranks on one node" in md and "R=2: **cold**" in md
     has_mpl = importlib.util.find_spec("matplotlib") is not None

@@ -134,7 +134,8 @@ def test_list_filters_and_json(cache_dir: Path) -> None:
     _publish(store, 2, 100, device="NVIDIA H200")
     rows = _json(cli("list", "--dir", str(cache_dir), "--json"))["entries"]
     assert sorted(r["devices"][0] for r in rows) == ["NVIDIA H200", "pthread-cpu"]
-    assert set(rows[0]) == {"key", "kernels", "devices", "size", "created", "last_used", "rank", "path"}
+    assert set(rows[0]) == {"key", "kind", "kernels", "devices", "size", "created", "last_used", "rank", "path"}
+    assert {r["kind"] for r in rows} == {"binary"}
     only = _json(cli("list", "--dir", str(cache_dir), "--json", "--device", "pthread"))["entries"]
     assert [r["key"] for r in only] == [a.key] and only[0]["kernels"] == ["k1"]
     human = cli("list", "--dir", str(cache_dir))

@@ -116,6 +116,7 @@ def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any
                 continue
             rows.append({
                 "key": e.key,
+                "kind": str(meta.get("kind", "binary")),
                 "kernels": meta.get("kernels", []),
                 "devices": devices,
                 "size": e.size,
@@ -220,11 +221,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     rows = _listing(_stores(args), args.device)
-    human = [f"{'KEY':12s} {'SIZE':>7s} {'CREATED':16s} {'LAST USED':16s} KERNELS @ DEVICE"]
+    human = [f"{'KEY':12s} {'KIND':6s} {'SIZE':>7s} {'CREATED':16s} {'LAST USED':16s} KERNELS @ DEVICE"]
     for r in rows:
         what = f"{','.join(r['kernels']) or '?'} @ {','.join(r['devices'])}"
         human.append(
-            f"{r['key'][:12]} {_human(r['size']):>7s} {_when(r['created']):16s} "
+            f"{r['key'][:12]} {r['kind'][:6]:6s} {_human(r['size']):>7s} {_when(r['created']):16s} "
             f"{_when(r['last_used']):16s} {what}"
         )
     human.append(f"{len(rows)} entries, {_human(sum(r['size'] for r in rows))}")
