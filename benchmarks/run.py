@@ -520,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
                          "and the number of cores)")
     ap.add_argument("--n", type=int, default=1000,
                     help="statements in the seed kernel (1000: about 5 s of pocl compile)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated columns to run (default: all of each section's), e.g. "
+                         "nocache,default,acc,acc-process")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directories")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the children")
     args = ap.parse_args(argv)
@@ -541,6 +544,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--ranks: at least 1 rank")
     if args.quick:
         only = [s for s in only if s != "multi"]
+    keep_variants = None
+    if args.variants:
+        keep_variants = args.variants.split(",")
+        bad = set(keep_variants) - set(report.VARIANTS)
+        if bad:
+            ap.error(f"unknown variant(s): {', '.join(sorted(bad))}")
     sections = [s for s in SECTIONS if s in only]
     global log
     log = Progress(sections)
@@ -568,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         report.write(out, R, plots=False)  # the numbers so far; plots once, at the end
 
     def use(vs: list[str]) -> list[str]:
+        if keep_variants is not None:
+            vs = [v for v in vs if v in keep_variants]
         R["variants_used"] = sorted(set(R["variants_used"]) | set(vs))
         return vs
 
@@ -607,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
                  measure_throughput(runner, v, progs, 1, tp_reps, {"pyopencl": 1}))
             if full:
                 save("throughput_2",
-                     measure_throughput(runner, ["nocache", "acc", "acc-process"], progs, 2, tp_reps))
+                     measure_throughput(runner, use(["nocache", "acc", "acc-process"]), progs, 2, tp_reps))
         if "ranks" in sections:
             log.section("ranks")
             if ranks is None:
@@ -615,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
                     os.cpu_count() or 1)
                 ranks = default_ranks(cores)
             v = RANK_VARIANTS if full else ["nocache", "acc", "acc-process", "acc-shared"]
+            if keep_variants is not None:
+                v = [x for x in v if x in keep_variants]
             use([x for x in v if x != "acc-shared"])
             R["ranks"] = measure_ranks(runner, ranks, v, args.n, min(reps, 2), 1,
                                        lambda res: save("ranks", res))
