@@ -183,6 +183,10 @@ def first_result_table(R: dict[str, Any], variants: list[str], summary: dict[str
         cpur = ratio(cpu.get("acc", Cell(None)).value, cpu.get("nocache", Cell(None)).value)
         summary[f"{wl}_cold_cpu_ratio"] = cpur
         t.add(f"{label}: cold, CPU of all processes [s]", cpu, f"{num(cpur, 3)} ({met(cpur, 1.05)})")
+        t.add(f"{label}: cold, the cache's own CPU (its threads and its share of callers') [s]",
+              {v: cell(res[v]["cold"], lambda r: r["stats_final"]["main_thread_seconds"]
+                       + r["stats_final"]["background_cpu_seconds"], 3)
+               for v in res if v.startswith("acc")}, best=False)
         t.add(f"{label}: cold, kernel time of steps 2..N [s]",
               {v: cell(res[v]["cold"], lambda r: r["steps_s"], 3) for v in res})
         t.add(f"{label}: background work left at first result (flush + close) [s]",
@@ -265,7 +269,12 @@ def throughput_tables(R: dict[str, Any], variants: list[str], summary: dict[str,
         reps = max(len(x) for x in tp.values())
         t.add(f"{what}: **wall** incl. exit [s] (median of {reps})", wall,
               f"{num(wr, 3)} ({met(wr, 1.05)})")
-        t.add(f"{what}: CPU, all processes [s]", cpu, f"{num(cr, 3)}")
+        t.add(f"{what}: CPU, all processes [s]", cpu, f"{num(cr, 3)} ({met(cr, 1.05)})")
+        own = {v: cell(tp[v], lambda r: r["own_cpu_s"], 2) for v in tp if v.startswith("acc")}
+        orr = ratio(own.get("acc", Cell(None)).value, cpu.get("nocache", Cell(None)).value)
+        summary[f"{k}_own_cpu_ratio"] = orr
+        t.add(f"{what}: the cache's own CPU (its threads and its share of callers') [s]", own,
+              f"{num(orr, 4)} of no cache's CPU", best=False)
         t.add(f"{what}: entries written by exit",
               {v: Cell(None, cell(tp[v], lambda r: r["entries"], 0).text + f" / {progs}")
                for v in tp if v not in ("nocache", "default")}, best=False)
@@ -301,6 +310,8 @@ def ranks_table(R: dict[str, Any], summary: dict[str, Any]) -> Table | None:
         if "default" in warm:
             warm["default"].text += SAME_NODE
         t.add(f"R={R_}: **warm** per-rank, median [s]", warm)
+        t.add(f"R={R_}: cold, the cache's own CPU over all ranks (helpers not included) [s]",
+              {v: c(v, "cold", "own_cpu_s", 2) for v in variants if v.startswith("acc")}, best=False)
         wu = {v: c(v, "cold", "warmups", 0) for v in variants if v.startswith("acc")}
         t.add(f"R={R_}: warm-ups (generic compiles) over all ranks, cold", wu, best=False)
     return t

@@ -426,6 +426,9 @@ def measure_throughput(
                 "exit_s": max(r["wall_s"] - (r.get("end_of_work_s") or r["wall_s"]) for r in rs),
                 "background_errors": sum(
                     ((r.get("final") or {}).get("stats") or {}).get("errors", 0) for r in rs),
+                # The cache's own CPU: its work in callers' threads plus its own threads.
+                "own_cpu_s": sum(_own_cpu((r.get("final") or {}).get("stats")) for r in rs)
+                if v.startswith("acc") else None,
                 "group_wall_s": wall,
                 "cpu_s": rs[0]["group_cpu_s"],
                 "entries": entries,
@@ -439,6 +442,11 @@ def measure_throughput(
             log(f"throughput {ranks}x{per} rep {rep + 1}/{reps} {v:10s} wall {_s(one['wall_s'])} "
                 f"(work {_s(work)}), cpu {_s(one['cpu_s'])}, entries {entries}")
     return res
+
+
+def _own_cpu(stats: dict[str, Any] | None) -> float:
+    stats = stats or {}
+    return stats.get("main_thread_seconds", 0.0) + stats.get("background_cpu_seconds", 0.0)
 
 
 def default_ranks(cores: int) -> list[int]:
@@ -490,6 +498,7 @@ def measure_ranks(runner: Runner, ranks: list[int], variants: list[str], n: int,
                     if v.startswith("acc"):
                         for k in ("warmups", "writes", "hits", "misses", "skipped"):
                             one[k] = sum((r.get("stats_final") or {}).get(k, 0) for r in rs)
+                        one["own_cpu_s"] = sum(_own_cpu(r.get("stats_final")) for r in rs)
                     row.setdefault(v, {"cold": [], "warm": []})[phase].append(one)
                     msg += (f" | {phase} median {_s(one['median'])} max {_s(one['max'])}"
                             f" cpu {_s(one['cpu_s'])}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _version, lifetime
 from .config import STRATEGIES, get_config, parse_size
-from .drivers import Driver, Dropped, Job, Lost, Purpose, Snapshot, resolve_strategy
+from .drivers import Driver, Dropped, Job, Lost, Purpose, Snapshot, make_driver, resolve_strategy
 from .entry import Entry
 from .errors import BackgroundError, WriteFailedWarning
 from .store import PublishResult, Store
@@ -64,6 +64,7 @@ class Stats:
     evictions: int = 0  # entries removed to keep the directory under max_size
     seconds_saved: float = 0.0  # estimated compile time that hits avoided
     main_thread_seconds: float = 0.0  # time the cache spent in callers' threads
+    background_cpu_seconds: float = 0.0  # CPU time of the cache's own threads (not a helper's)
 
     def line(self) -> str:
         """One line for a log or for rank 0 to print for the whole job."""
@@ -163,7 +164,10 @@ class Cache:
         self._errors: list[BaseException] = []
         self._steps: list[Step] = []
         self._drivers: dict[str, Driver] = {}
-        self._workers = Workers(max(1, workers), "asyncclcache-writer", self._background_error)
+        self._workers = Workers(
+            max(1, workers), "asyncclcache-writer", self._background_error,
+            lambda s: self._count("background_cpu_seconds", s),
+        )
         self._closed = False
         self._swept = False
         _CACHES.add(self)
@@ -340,24 +344,8 @@ class Cache:
         with self._lock:
             d = self._drivers.get(name)
             if d is None:
-                if name == "kcache":
-                    from .drivers.kcache import KcacheDriver, kernel_cache_dir
-
-                    root = kernel_cache_dir()
-                    assert root is not None  # resolve_strategy checked it
-                    d = KcacheDriver(root)
-                elif name == "process":
-                    from .drivers.pocl import HelperDriver
-
-                    d = HelperDriver()
-                elif name == "thread":
-                    from .drivers.inprocess import ThreadDriver
-
-                    d = ThreadDriver(self._workers)
-                else:
-                    from .drivers.inprocess import SyncDriver
-
-                    d = SyncDriver()
+                d = make_driver(name, self._workers)
+                d.on_cpu = lambda s: self._count("background_cpu_seconds", s)
                 self._drivers[name] = d
             return d
 

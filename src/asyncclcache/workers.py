@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = ["Workers"]
@@ -21,9 +22,17 @@ _STOP = object()
 class Workers:
     """``n`` daemon threads named ``<name>-<i>`` running submitted callables. Thread-safe."""
 
-    def __init__(self, n: int, name: str, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        n: int,
+        name: str,
+        on_error: Callable[[BaseException], None],
+        on_cpu: Callable[[float], None] | None = None,
+    ) -> None:
+        """``on_cpu`` receives the CPU seconds each task took (the cache counts its own cost)."""
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._on_error = on_error
+        self._on_cpu = on_cpu
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
         ]
@@ -47,6 +56,7 @@ class Workers:
             fn = self._queue.get()
             if fn is _STOP:
                 return
+            t0 = time.thread_time()
             try:
                 fn()  # type: ignore[operator]
             except BaseException as e:
@@ -55,6 +65,8 @@ class Workers:
                     self._on_error(e)
                 except Exception:
                     logger.exception("error handler failed")
+            if self._on_cpu is not None:
+                self._on_cpu(time.thread_time() - t0)
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop taking work; queued tasks still run. Joins up to ``timeout`` seconds."""

@@ -21,6 +21,8 @@ from .kcache import kernel_cache_dir
 if TYPE_CHECKING:
     import pyopencl as cl
 
+    from ..workers import Workers
+
 __all__ = [
     "Done",
     "Driver",
@@ -33,6 +35,7 @@ __all__ = [
     "auto_reason",
     "auto_strategy",
     "is_pocl_cpu",
+    "make_driver",
     "resolve_strategy",
 ]
 
@@ -63,6 +66,29 @@ def resolve_strategy(requested: str, devices: Sequence[cl.Device]) -> str:
     if requested == "kcache" and auto_strategy(devices) != "kcache":
         return auto_strategy(devices)
     return requested
+
+
+def make_driver(name: str, workers: Workers) -> Driver:
+    """A new driver for strategy ``name`` (as :func:`resolve_strategy` gives it); in-process
+    strategies run on the cache's ``workers``."""
+    if name == "kcache":
+        from .kcache import KcacheDriver
+
+        root = kernel_cache_dir()
+        if root is None:
+            raise ValueError("strategy kcache needs pocl's kernel cache (POCL_KERNEL_CACHE is 0)")
+        return KcacheDriver(root)
+    if name == "process":
+        from .pocl import HelperDriver
+
+        return HelperDriver()
+    from .inprocess import SyncDriver, ThreadDriver
+
+    if name == "thread":
+        return ThreadDriver(workers)
+    if name == "sync":
+        return SyncDriver()
+    raise ValueError(f"unknown strategy {name!r}")
 
 
 def auto_reason(devices: Sequence[cl.Device]) -> str:

@@ -131,6 +131,8 @@ class Driver(ABC):
     refreshable: bool = False
     #: A hit is worth watching for variants compiled after it (cheap to check).
     watches_hits: bool = False
+    #: Set by the cache: receives the CPU seconds the driver's own threads spent.
+    on_cpu: Callable[[float], None] | None = None
 
     def built(self, job: Job) -> None:  # noqa: B027 - optional hook
         """A miss was just built (caller's thread, must be cheap): start early work."""

@@ -442,8 +442,11 @@ class KcacheDriver(Driver):
                     return
                 todo, self._identify = self._identify, []
                 todo += [w.job for w in self._waiting]
+            t0 = time.thread_time()
             self._scan(todo)
-            for job, done in self._take_ready():
+            ready = self._take_ready()
+            snaps = []
+            for job, done in ready:
                 try:
                     if job.candidates is not None:
                         # Again at every snapshot: launches since narrow the choice.
@@ -452,10 +455,14 @@ class KcacheDriver(Driver):
                         raise Lost("pocl's kernel-cache folder of this build could not be identified")
                     snap = folder_files(self.root, job.folders)
                 except BaseException as e:  # noqa: BLE001 - reported through done
-                    done(None, e)
+                    snaps.append((done, None, e))
                     continue
                 job.queried_at = time.time()
-                done(snap, None)
+                snaps.append((done, snap, None))
+            if self.on_cpu is not None:
+                self.on_cpu(time.thread_time() - t0)
+            for done, snap, error in snaps:
+                done(snap, error)
 
     def _due(self) -> bool:
         now = time.time()
