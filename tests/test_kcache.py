@@ -248,3 +248,46 @@ def test_stored_files_are_what_pocl_wrote(cache_dir):
     assert entry is not None
     assert all(kcache.valid_file(f) for f in entry.meta["files"])
     assert not any(Path(f).name == "last_accessed" for f in entry.meta["files"])
+
+
+@pytest.mark.parametrize(
+    ("rel", "ok"),
+    [
+        ("AB/CDEFGHIJKL/program.bc", True),
+        ("AB/CDEFGHIJKL/k/64-1-1-goffs0-smallgrid/k.so", True),
+        ("AB/CDEFGHIJKL/program.bc\n", False),
+        ("AB/CDEFGHIJKL/..", False),
+        ("AB/CDEFGHIJKL/k/./k.so", False),
+        ("AB/CDEFGHIJKL/.acc-tmp-0123", False),
+        ("../CDEFGHIJKL/program.bc", False),
+        ("/AB/CDEFGHIJKL/program.bc", False),
+        ("AB/CDEFGHIJKL", False),
+        ("AB/CDEF/program.bc", False),
+    ],
+)
+def test_valid_file_names(rel, ok):
+    assert kcache.valid_file(rel) is ok
+
+
+@pytest.mark.parametrize(
+    ("env", "expect"),
+    [
+        ({}, "xdg"),
+        ({"POCL_KERNEL_CACHE": "1"}, "xdg"),
+        ({"POCL_KERNEL_CACHE": "0"}, None),
+        ({"POCL_KERNEL_CACHE": "maybe"}, None),  # pocl reads anything but 1/yes/true/on as off
+        ({"POCL_CACHE_DIR": "/x/kc"}, "/x/kc"),
+        ({"POCL_CACHE_DIR": ""}, None),
+    ],
+)
+def test_kernel_cache_dir_as_pocl_finds_it(monkeypatch, tmp_path, env, expect):
+    for var in ("POCL_KERNEL_CACHE", "POCL_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    got = kcache.kernel_cache_dir()
+    if expect == "xdg":
+        assert got == tmp_path / "pocl" / "kcache"
+    else:
+        assert got == (Path(expect) if expect else None)

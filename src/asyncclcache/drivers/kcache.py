@@ -71,17 +71,24 @@ POLL_SECONDS = 0.2
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 # pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
-_FOLDER_RE = (re.compile(r"^[A-Za-z0-9]{2}$"), re.compile(r"^[A-Za-z0-9]{8,128}$"))
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
+_FOLDER_RE = (re.compile(r"[A-Za-z0-9]{2}"), re.compile(r"[A-Za-z0-9]{8,128}"))
+# A kernel name, a variant (``64-1-1-goffs0-smallgrid``) or a file; never ``.``/``..``.
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 
 
 def kernel_cache_dir() -> Path | None:
     """pocl's kernel cache directory, as pocl finds it (``POCL_CACHE_DIR``, else the
-    XDG cache home's ``pocl/kcache``); ``None`` when pocl's cache is off."""
-    if os.environ.get("POCL_KERNEL_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+    XDG cache home's ``pocl/kcache``); ``None`` when pocl's cache is off.
+
+    Parsed as pocl parses it: ``POCL_KERNEL_CACHE`` unset means on, and only ``1``,
+    ``yes``, ``true`` or ``on`` mean on when set. When in doubt, off (strategy
+    ``process`` then, which does not depend on pocl's cache)."""
+    flag = os.environ.get("POCL_KERNEL_CACHE")
+    if flag is not None and flag.strip().lower() not in ("1", "yes", "true", "on"):
         return None
-    if os.environ.get("POCL_CACHE_DIR"):
-        return Path(os.environ["POCL_CACHE_DIR"])
+    if "POCL_CACHE_DIR" in os.environ:
+        given = os.environ["POCL_CACHE_DIR"]
+        return Path(given) if given.strip() else None
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "pocl" / "kcache"
 
@@ -92,11 +99,10 @@ def valid_file(rel: str) -> bool:
     parts = rel.split("/")
     if not 3 <= len(parts) <= 6:
         return False
-    if not (_FOLDER_RE[0].match(parts[0]) and _FOLDER_RE[1].match(parts[1])):
+    if not (_FOLDER_RE[0].fullmatch(parts[0]) and _FOLDER_RE[1].fullmatch(parts[1])):
         return False
-    return all(_NAME_RE.match(p) and p not in (".", "..") for p in parts[2:]) and not parts[
-        -1
-    ].startswith(TMP_PREFIX)
+    names_ok = all(_NAME_RE.fullmatch(p) for p in parts[2:])
+    return names_ok and not parts[-1].startswith(TMP_PREFIX)
 
 
 def _program_folders(root: Path) -> Iterator[tuple[str, float]]:
