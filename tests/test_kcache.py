@@ -291,3 +291,47 @@ def test_kernel_cache_dir_as_pocl_finds_it(monkeypatch, tmp_path, env, expect):
         assert got == tmp_path / "pocl" / "kcache"
     else:
         assert got == (Path(expect) if expect else None)
+
+
+def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir):
+    # A large, old kernel cache (a user's ~/.cache/pocl): identifying a new program's folder
+    # must not stat every old folder; a program pocl serves from an old folder still is found.
+    import pyopencl as cl
+
+    root = kcache.kernel_cache_dir()
+    assert root is not None
+    import time
+
+    old = time_ago = 3600.0
+
+    for i in range(300):
+        d = root / f"Z{i % 10}" / (f"OLD{i:05d}" + "A" * 30)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "last_accessed").touch()
+        os.utime(d / "last_accessed", (time.time() - old, time.time() - old))
+        os.utime(d, (time.time() - time_ago, time.time() - time_ago))
+    for i in range(10):
+        os.utime(root / f"Z{i}", (time.time() - time_ago, time.time() - time_ago))
+
+    cache = acc.Cache(cache_dir)
+    prg = cache.program(cl_ctx, small_source(name="fresh_kernel_name_xyz")).build()
+    assert run_twice(cl_ctx, prg, name="fresh_kernel_name_xyz")
+    assert cache.flush(60)
+    driver = cache._drivers["kcache"]
+    assert cache.stats().writes == 1 and driver.full_scans == 0
+
+    # Built before without the cache: pocl serves it from its existing folder.
+    src = small_source(name="seen_before_abc")
+    assert run_twice(cl_ctx, cl.Program(cl_ctx, src).build(), name="seen_before_abc")
+    time.sleep(0.2)
+    prg2 = cache.program(cl_ctx, src).build()
+    assert run_twice(cl_ctx, prg2, name="seen_before_abc")
+    assert cache.flush(60)
+    assert cache.stats().writes == 2 and cache.stats().unidentified == 0 and driver.full_scans == 1
+    entry = Store(cache_dir).load(prg2.cache_key)
+    assert entry is not None and any("/seen_before_abc/" in f for f in entry.meta["files"])
+    cache.close()
+    import shutil
+
+    for i in range(10):
+        shutil.rmtree(root / f"Z{i}")

@@ -81,6 +81,8 @@ class Job:
     queried_at: float = 0.0
     #: kcache: folders touched in the build's window, with the touch time (``None``: not scanned).
     candidates: tuple[tuple[str, float], ...] | None = None
+    #: kcache: the candidates came from a walk of every folder, not only the new ones.
+    scanned_all: bool = False
     #: kcache: pocl's folders for this program, as last chosen (``None``: not yet).
     folders: tuple[str, ...] | None = None
     #: kcache: the files the last written entry holds.

@@ -68,6 +68,8 @@ CLOSE = 0.05
 #: Outside a step, snapshot at the latest this long after the build.
 SETTLE_SECONDS = 3.0
 POLL_SECONDS = 0.2
+#: At most one walk of every folder of pocl's cache this often (a large cache: many stats).
+FULL_SCAN_SECONDS = 1.0
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 # pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
@@ -105,21 +107,29 @@ def valid_file(rel: str) -> bool:
     return names_ok and not parts[-1].startswith(TMP_PREFIX)
 
 
-def _program_folders(root: Path) -> Iterator[tuple[str, float]]:
-    """``(XX/hash, mtime of last_accessed)`` of every program folder: one walk of two levels."""
+def _program_folders(root: Path, new_since: float | None = None) -> Iterator[tuple[str, float]]:
+    """``(XX/hash, mtime of last_accessed)`` of every program folder: one walk of two levels.
+
+    With ``new_since``, only folders created or changed since then, found without a stat
+    per folder: a new folder changes its ``XX`` directory's mtime, a touch does not.
+    """
     try:
         tops = list(os.scandir(root))
     except OSError:
         return
     for top in tops:
-        if not (len(top.name) == 2 and top.is_dir(follow_symlinks=False)):
-            continue
         try:
+            if not (len(top.name) == 2 and top.is_dir(follow_symlinks=False)):
+                continue
+            if new_since is not None and top.stat(follow_symlinks=False).st_mtime < new_since:
+                continue
             programs = list(os.scandir(top.path))
         except OSError:
             continue
         for p in programs:
             try:
+                if new_since is not None and p.stat(follow_symlinks=False).st_mtime < new_since:
+                    continue
                 st = os.stat(os.path.join(p.path, LAST_ACCESSED), follow_symlinks=False)
             except OSError:
                 continue
@@ -134,14 +144,20 @@ def _kernel_dirs(root: Path, folder: str) -> set[str] | None:
 
 
 def candidates(
-    root: Path, windows: Sequence[tuple[float, float]]
+    root: Path, windows: Sequence[tuple[float, float]], *, new_only: bool = False
 ) -> list[tuple[tuple[str, float], ...]]:
     """For each build window ``(t0, t1)``, the folders touched in it, with the touch time
-    (one scan for all). Touched later only (the same program built again since): those."""
+    (one scan for all). Touched later only (the same program built again since): those.
+
+    ``new_only``: look at folders created or changed since the oldest window only (cheap
+    on a large kernel cache); a build that pocl served from an older folder needs the
+    full scan.
+    """
     if not windows:
         return []
     oldest = min(w[0] for w in windows) - SLACK
-    seen = [(rel, m) for rel, m in _program_folders(root) if m >= oldest]
+    folders = _program_folders(root, oldest if new_only else None)
+    seen = [(rel, m) for rel, m in folders if m >= oldest]
     out = []
     for t0, t1 in windows:
         inside = [(rel, m) for rel, m in seen if t0 - SLACK <= m <= t1 + SLACK]
@@ -355,7 +371,10 @@ class KcacheDriver(Driver):
         self._waiting: list[_Wait] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.scans = 0  # walks of pocl's cache (identification)
+        self._need_full: dict[int, Job] = {}  # jobs whose folder is not a new one
+        self._last_full = -FULL_SCAN_SECONDS
+        self.scans = 0  # cheap walks of pocl's cache (new folders)
+        self.full_scans = 0  # walks of every folder
 
     # {{{ caller's threads
 
@@ -381,6 +400,7 @@ class KcacheDriver(Driver):
     def hurry(self) -> None:
         now = time.time()
         with self._cond:
+            self._last_full = -FULL_SCAN_SECONDS
             for w in self._waiting:
                 w.due = min(w.due, now)
             self._cond.notify()
@@ -457,6 +477,13 @@ class KcacheDriver(Driver):
                     if job.candidates is not None:
                         # Again at every snapshot: launches since narrow the choice.
                         job.folders = choose(self.root, job.candidates, job.built_to, job.kernels)
+                        if not job.folders and not job.scanned_all:
+                            # Only others' new folders: ours is an older one. Look at all.
+                            job.candidates = None
+                            self._need_full[id(job)] = job
+                            with self._cond:
+                                self._waiting.append(_Wait(job, done, time.time()))
+                            continue
                     if not job.folders:
                         raise Lost("pocl's kernel-cache folder of this build could not be identified")
                     snap = folder_files(self.root, job.folders)
@@ -475,13 +502,29 @@ class KcacheDriver(Driver):
         return any(w.due <= now for w in self._waiting)
 
     def _scan(self, jobs: list[Job]) -> None:
-        jobs = list({id(j): j for j in jobs if j.candidates is None and j.folders is None}.values())
-        if not jobs:
-            return
-        self.scans += 1
-        found = candidates(self.root, [(j.built_from, j.built_to) for j in jobs])
-        for job, cands in zip(jobs, found, strict=True):
-            job.candidates = cands
+        # New folders first: cheap however large pocl's cache is. A build that pocl served
+        # from an older folder (the same program built before on this node) needs a walk
+        # of every folder; those are batched, at most one per FULL_SCAN_SECONDS.
+        todo = list({id(j): j for j in jobs if j.candidates is None and j.folders is None}.values())
+        fresh = [j for j in todo if id(j) not in self._need_full]
+        if fresh:
+            self.scans += 1
+            found = candidates(self.root, [(j.built_from, j.built_to) for j in fresh], new_only=True)
+            for job, cands in zip(fresh, found, strict=True):
+                if cands:
+                    job.candidates = cands
+                else:
+                    self._need_full[id(job)] = job
+        now = time.monotonic()
+        if self._need_full and now - self._last_full >= FULL_SCAN_SECONDS:
+            full = list(self._need_full.values())
+            self._need_full.clear()
+            self._last_full = now
+            self.full_scans += 1
+            found = candidates(self.root, [(j.built_from, j.built_to) for j in full])
+            for job, cands in zip(full, found, strict=True):
+                job.candidates = cands
+                job.scanned_all = True
 
     def _take_ready(self) -> list[tuple[Job, Done]]:
         # Disk checks outside the lock: fetch() on a caller's thread must never wait on them.
