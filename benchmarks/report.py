@@ -304,8 +304,8 @@ def ranks_table(R: dict[str, Any], summary: dict[str, Any]) -> Table | None:
         t.add(f"R={R_}: **cold** per-rank first result, median [s]", cold,
               f"{num(ra)} / {num(rs)} ({met(max(ra or 0, rs or 0) or None, 1.1)})")
         t.add(f"R={R_}: cold, slowest rank [s]", {v: c(v, "cold", "max") for v in variants})
-        t.add(f"R={R_}: cold, CPU of all ranks and helpers [s]", cpu,
-              f"{num(summary['ranks_cpu_ratio'][R_].get('acc'))} ({met(summary['ranks_cpu_ratio'][R_].get('acc'), 1.05)})")
+        cr = summary["ranks_cpu_ratio"][R_].get("acc")
+        t.add(f"R={R_}: cold, CPU of all ranks and helpers [s]", cpu, f"{num(cr)} ({met(cr, 1.05)})")
         warm = {v: c(v, "warm", "median", 3) for v in variants if v != "nocache"}
         if "default" in warm:
             warm["default"].text += SAME_NODE

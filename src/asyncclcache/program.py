@@ -75,36 +75,12 @@ def cached_build(
         prg._build_and_catch_errors(lambda: new.build(options_bytes, devices), options_bytes)
         return new
 
-    built = None
-    hit = False
+    built, hit, descr, duration = None, False, "", 0.0
     if entry is not None:
-        t0 = time.perf_counter()
-        built_from = time.time()
-        result = driver.build_from_entry(entry, context, devs, options_bytes, build_source)
-        duration = time.perf_counter() - t0
-        if result.program is not None and result.used:
-            built, hit = result.program, True
-            cache._record_build(hit=True, entry=entry, seconds=duration)
-            _replay_logs(entry.meta.get("build_logs") or [], devs)
-            descr = "cache retrieval"
-            if driver.watches_hits:
-                cache._watch(info, source_bytes, devs, entry, result.folders)
-        else:
-            what = "binary" if entry.meta.get("kind", "binary") == "binary" else "kernel-cache files"
-            warnings.warn(
-                f"asyncclcache: the driver rejected the stored {what} {info.key[:12]} "
-                f"({result.why}); rebuilding from source",
-                BinaryRejectedWarning,
-                stacklevel=3,
-            )
-            cache._count("rejected")
-            cache._forget(info.key)
-            if result.program is not None:
-                # Built from source already (pocl did not use the stored folder): a miss.
-                built = result.program
-                _after_miss(cache, prg, built, info, source_bytes, devs, looked_up_at,
-                            duration, built_from, time.time())
-                descr = "source build (stored kernel-cache files unused)"
+        built, hit, descr, duration = _from_entry(
+            cache, driver, entry, info, context, source_bytes, devs, options_bytes,
+            looked_up_at, build_source,
+        )
 
     if built is None:
         t0 = time.perf_counter()
@@ -113,8 +89,7 @@ def cached_build(
         built_to = time.time()
         duration = time.perf_counter() - t0
         t1 = time.perf_counter()
-        _after_miss(cache, prg, built, info, source_bytes, devs, looked_up_at,
-                    duration, built_from, built_to)
+        _after_miss(cache, built, info, source_bytes, devs, looked_up_at, duration, built_from, built_to)
         overhead += time.perf_counter() - t1
         descr = "source build (binary retrieved in the background)"
 
@@ -124,8 +99,40 @@ def cached_build(
     return prg
 
 
+def _from_entry(
+    cache: Cache, driver: Any, entry: Any, info: Any, context: cl.Context, source: bytes,
+    devs: list[cl.Device], options: bytes, looked_up_at: float, build_source: Any,
+) -> tuple[Any, bool, str, float]:
+    """A hit: (program or None, hit, description, seconds). A stored entry the driver
+    refuses warns and is dropped; if the driver built from source anyway, that is a miss."""
+    t0 = time.perf_counter()
+    built_from = time.time()
+    result = driver.build_from_entry(entry, context, devs, options, build_source)
+    duration = time.perf_counter() - t0
+    if result.program is not None and result.used:
+        cache._record_build(hit=True, entry=entry, seconds=duration)
+        _replay_logs(entry.meta.get("build_logs") or [], devs)
+        if driver.watches_hits:
+            cache._watch(info, source, devs, entry, result.folders)
+        return result.program, True, "cache retrieval", duration
+    what = "binary" if entry.kind == "binary" else "kernel-cache files"
+    warnings.warn(
+        f"asyncclcache: the driver rejected the stored {what} {info.key[:12]} "
+        f"({result.why}); rebuilding from source",
+        BinaryRejectedWarning,
+        stacklevel=4,
+    )
+    cache._count("rejected")
+    cache._forget(info.key)
+    if result.program is None:
+        return None, False, "", duration
+    # Built from source already (pocl did not use the stored folder): a miss.
+    _after_miss(cache, result.program, info, source, devs, looked_up_at, duration, built_from, time.time())
+    return result.program, False, "source build (stored kernel-cache files unused)", duration
+
+
 def _after_miss(
-    cache: Cache, prg: cl.Program, built: Any, info: Any, source: bytes, devices: list[cl.Device],
+    cache: Cache, built: Any, info: Any, source: bytes, devices: list[cl.Device],
     looked_up_at: float, seconds: float, built_from: float, built_to: float,
 ) -> None:
     cache._record_build(hit=False)

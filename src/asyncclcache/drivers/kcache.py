@@ -471,7 +471,7 @@ class KcacheDriver(Driver):
             t0 = time.thread_time()
             self._scan(todo)
             ready = self._take_ready()
-            snaps = []
+            snaps: list[tuple[Done, Snapshot | None, BaseException | None]] = []
             for job, done in ready:
                 try:
                     if job.candidates is not None:
@@ -494,8 +494,8 @@ class KcacheDriver(Driver):
                 snaps.append((done, snap, None))
             if self.on_cpu is not None:
                 self.on_cpu(time.thread_time() - t0)
-            for done, snap, error in snaps:
-                done(snap, error)
+            for report, result, error in snaps:
+                report(result, error)
 
     def _due(self) -> bool:
         now = time.time()
