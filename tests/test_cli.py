@@ -267,3 +267,12 @@ def test_rank_directories_are_included(cache_dir: Path) -> None:
     assert info["entries"] == 2 and len(info["rank_directories"]) == 2
     rows = _json(cli("list", "--dir", str(cache_dir), "--json"))["entries"]
     assert sorted(r["rank"] for r in rows) == [0, 1]
+
+
+def test_prune_max_size_zero_means_no_bound_as_in_the_environment(populated: tuple[Path, int]) -> None:
+    cache_dir = populated[0]
+    r = cli("prune", "--dir", str(cache_dir), "--max-size", "0")
+    assert r.returncode == 2 and "0 means no bound" in r.stderr
+    r = cli("prune", "--dir", str(cache_dir), env={"ASYNCCLCACHE_MAX_SIZE": "0"})
+    assert r.returncode == 2 and "0 means no bound" in r.stderr
+    assert len(list(Store(cache_dir).entries())) == 3  # nothing evicted

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from asyncclcache.config import STRATEGIES, Config, get_config, parse_bool, parse_size
@@ -126,6 +128,11 @@ def test_every_strategy_is_accepted(strategy: str) -> None:
         ("ASYNCCLCACHE_WORKERS", "many"),
         ("ASYNCCLCACHE_WORKERS", "1.5"),
         ("ASYNCCLCACHE_EXIT_TIMEOUT", "soon"),
+        ("ASYNCCLCACHE_EXIT_TIMEOUT", "nan"),
+        ("ASYNCCLCACHE_EXIT_TIMEOUT", "inf"),
+        ("ASYNCCLCACHE_EXIT_TIMEOUT", "-1"),
+        ("ASYNCCLCACHE_WORKERS", "100000"),
+        ("ASYNCCLCACHE_MAX_SIZE", "nan"),
         ("ASYNCCLCACHE_MAX_SIZE", "lots"),
         ("ASYNCCLCACHE_MAX_SIZE", "-1G"),
         ("ASYNCCLCACHE_DISABLE", "maybe"),
@@ -158,3 +165,23 @@ def test_get_config_is_read_once_per_process() -> None:
         )
     )
     assert out == [2, 2, 1024]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", -1])
+def test_cache_rejects_a_bad_exit_timeout(value: object, tmp_path: Any) -> None:
+    import asyncclcache as acc
+
+    with pytest.raises(ValueError, match="exit_timeout"):
+        acc.Cache(tmp_path / "acc", exit_timeout=float(value))  # type: ignore[arg-type]
+
+
+def test_bad_setting_is_a_usage_error_in_the_cli(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    for var, value in (("ASYNCCLCACHE_EXIT_TIMEOUT", "nan"), ("ASYNCCLCACHE_WORKERS", "x")):
+        env = dict(os.environ, **{var: value})
+        r = subprocess.run([sys.executable, "-m", "asyncclcache", "info", "--dir", str(tmp_path)],
+                           capture_output=True, text=True, env=env, timeout=60, check=False)
+        assert r.returncode == 2 and var in r.stderr and "Traceback" not in r.stderr

@@ -335,3 +335,22 @@ def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir):
 
     for i in range(10):
         shutil.rmtree(root / f"Z{i}")
+
+
+def test_kernel_cache_off_flush_rewrites_nothing(cache_dir):
+    # Issue 12: with POCL_KERNEL_CACHE=0 every flush used to rewrite every entry.
+    code = r"""
+import json, sys
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1])
+prgs = [cache.program(ctx, small_source(name=f"k{i}")).build() for i in range(3)]
+assert all(run_twice(ctx, p, name=f"k{i}") for i, p in enumerate(prgs))
+flushed = [cache.flush(120) for _ in range(3)]
+print(json.dumps({"flushed": flushed, "stats": cache.stats().as_dict(),
+                  "requests": cache._drivers["process"].requests}))
+"""
+    out = child_json(run_child(code, str(cache_dir), env={"POCL_KERNEL_CACHE": "0"}))
+    assert out["flushed"] == [True] * 3
+    assert (out["stats"]["writes"], out["stats"]["refreshes"], out["requests"]) == (3, 0, 3)

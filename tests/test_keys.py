@@ -11,11 +11,12 @@ import pytest
 
 from asyncclcache.keys import (
     FORMAT_VERSION,
-    IncludeDep,
-    deps_unchanged,
+    UncertainIncludes,
+    code_settings,
     device_identity,
     find_include_deps,
     make_key,
+    scan_includes,
 )
 from conftest import child_json, run_child, small_source
 
@@ -236,38 +237,107 @@ def test_include_cycle_terminates(inc: Path) -> None:
     assert sorted(os.path.basename(d.path) for d in deps) == ["b.h", "hdr.h"]
 
 
-def test_missing_header_is_skipped(cl_ctx: Any, inc: Path) -> None:
+def test_missing_header_makes_the_key_uncertain(cl_ctx: Any, inc: Path) -> None:
+    # Not on our path: the compiler may find it elsewhere, and we could not see it change.
     source = SOURCE + b'#include "missing.h"\n#include "hdr.h"\n'
     (inc / "hdr.h").write_text("#define SCALE 2.0f\n")
     info = make_key(source, OPTIONS, cl_ctx.devices, [str(inc)])
-    assert [os.path.basename(d.path) for d in info.deps] == ["hdr.h"]
-    # Once it exists, it counts.
+    assert info.uncertain is not None and "missing.h" in info.uncertain
     (inc / "missing.h").write_text("#define M 1\n")
-    assert _key(cl_ctx, source, inc=[inc]) != info.key
+    info = make_key(source, OPTIONS, cl_ctx.devices, [str(inc)])
+    assert info.uncertain is None
+    assert sorted(os.path.basename(d.path) for d in info.deps) == ["hdr.h", "missing.h"]
 
 
-def test_directory_named_like_a_header_is_skipped(inc: Path) -> None:
+def test_directory_named_like_a_header_is_uncertain(inc: Path) -> None:
     (inc / "hdr.h").mkdir()
-    assert find_include_deps(INCLUDING, [str(inc)]) == ()
+    with pytest.raises(UncertainIncludes):
+        find_include_deps(INCLUDING, [str(inc)])
 
 
-def test_no_include_path_no_deps(inc: Path) -> None:
+def test_no_include_path_is_uncertain(inc: Path) -> None:
     (inc / "hdr.h").write_text("x")
-    assert find_include_deps(INCLUDING, []) == ()
+    with pytest.raises(UncertainIncludes):
+        find_include_deps(INCLUDING, [])
 
 
-def test_deps_unchanged(inc: Path) -> None:
-    hdr = inc / "hdr.h"
-    hdr.write_text("#define SCALE 2.0f\n")
-    deps = find_include_deps(INCLUDING, [str(inc)])
-    assert deps
-    assert isinstance(deps[0], IncludeDep)
-    recorded = [{"path": d.path, "sha256": d.sha256} for d in deps]
-    assert deps_unchanged(recorded)
-    hdr.write_text("#define SCALE 8.0f\n")
-    assert not deps_unchanged(recorded)
-    hdr.unlink()
-    assert not deps_unchanged(recorded)
+def test_macro_include_is_uncertain(cl_ctx: Any, inc: Path) -> None:
+    (inc / "hdr.h").write_text("#define H 1\n")
+    source = b'#define HDR "hdr.h"\n#include HDR\n' + SOURCE
+    assert make_key(source, OPTIONS, cl_ctx.devices, [str(inc)]).uncertain is not None
+    (inc / "nested.h").write_text("#include HDR\n")
+    with pytest.raises(UncertainIncludes):
+        find_include_deps(b'#include "nested.h"\n', [str(inc)])
+
+
+@pytest.mark.parametrize("line", [
+    b'#include "hdr.h" // why\n',
+    b'#include "hdr.h" /* why */\n',
+    b'#  include "hdr.h"\n',
+    b'  #\tinclude   <hdr.h>  \n',
+    b'#include"hdr.h"\n',
+    b'/* a comment */ #include "hdr.h"\n',
+])
+def test_include_spellings_are_recognised(line: bytes, inc: Path) -> None:
+    (inc / "hdr.h").write_text("#define SCALE 2.0f\n")
+    deps = find_include_deps(line + SOURCE, [str(inc)])
+    assert [os.path.basename(d.path) for d in deps] == ["hdr.h"]
+
+
+def test_commented_out_include_is_not_one() -> None:
+    assert scan_includes(b'// #include "a.h"\n/*\n#include "b.h"\n*/\nint x;') == ((), False)
+    assert scan_includes(b'char *s = "//"; \n#include "c.h"\n') == ((b"c.h",), False)
+
+
+def test_edit_of_a_nested_header_with_a_comment_changes_the_key(cl_ctx: Any, inc: Path) -> None:
+    # The stale-result report: `#include "h.h" // comment` in an included header.
+    (inc / "hdr.h").write_text('#include "inner.h" // the scale\n')
+    (inc / "inner.h").write_text("#define SCALE 2.0f\n")
+    before = _key(cl_ctx, INCLUDING, inc=[inc])
+    (inc / "inner.h").write_text("#define SCALE 3.0f\n")
+    assert _key(cl_ctx, INCLUDING, inc=[inc]) != before
+
+
+def test_pocl_settings_and_host_cpu_are_in_the_key(cl_ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = _key(cl_ctx)
+    for var, value in (("POCL_EXTRA_BUILD_FLAGS", "-DV=2"), ("POCL_LLVM_CPU_NAME", "x86-64"),
+                       ("POCL_WORK_GROUP_METHOD", "cbs"), ("POCL_WORK_GROUP_SPECIALIZATION", "0"),
+                       ("POCL_MAX_WORK_GROUP_SIZE", "64"), ("POCL_VECTORIZER_REMARKS", "1")):
+        monkeypatch.setenv(var, value)
+        assert _key(cl_ctx) != base, var
+        monkeypatch.delenv(var)
+    assert _key(cl_ctx) == base
+    for var in ("POCL_DEBUG", "POCL_MAX_PTHREAD_COUNT"):  # cannot change the code
+        monkeypatch.setenv(var, "1")
+        assert _key(cl_ctx) == base, var
+        monkeypatch.delenv(var)
+    assert "host_cpu" in code_settings(cl_ctx.devices)
+    import asyncclcache.keys as keys
+
+    monkeypatch.setattr(keys, "host_cpu_features", lambda: "a host with fewer features")
+    assert _key(cl_ctx) != base
+
+
+def test_extra_build_flags_never_share_an_entry(cache_dir: Path) -> None:
+    # Issue 12: a run with POCL_EXTRA_BUILD_FLAGS=-DV=2 and a plain run got each other's result.
+    code = r"""
+import json, sys
+import numpy as np, pyopencl as cl, asyncclcache as acc
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]]); q = cl.CommandQueue(ctx)
+src = "#ifndef V\n#define V 1\n#endif\n__kernel void f(__global float *c) { c[get_global_id(0)] = V; }"
+cache = acc.Cache(sys.argv[1])
+prg = cache.program(ctx, src).build()
+c = np.zeros(4, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
+prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
+cache.flush(60)
+print(json.dumps({"v": float(c[0]), "hits": cache.stats().hits}))
+"""
+    plain = child_json(run_child(code, str(cache_dir)))
+    flagged = child_json(run_child(code, str(cache_dir), env={"POCL_EXTRA_BUILD_FLAGS": "-DV=2"}))
+    again = child_json(run_child(code, str(cache_dir)))
+    assert plain == {"v": 1.0, "hits": 0}
+    assert flagged["v"] == 2.0 and flagged["hits"] == 0
+    assert again == {"v": 1.0, "hits": 1}
 
 
 # }}}

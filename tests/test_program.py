@@ -397,3 +397,40 @@ print(json.dumps({"ok": run_twice(ctx, prg), "flushed": cache.flush(10), "stats"
     out = child_json(run_child(code, str(cache_dir), env={"ASYNCCLCACHE_DISABLE": "1"}))
     assert out["ok"] and out["flushed"]
     assert out["stats"]["misses"] == 0 and out["stats"]["hits"] == 0 and out["stats"]["writes"] == 0
+
+
+def test_fork_with_pending_work_gives_the_child_a_clean_cache(cache_dir):
+    # A child forked while the parent's helper compiles must not wait for the parent's work
+    # (at flush or at exit), and the parent must finish its own. (No OpenCL in the child:
+    # pocl itself does not survive a fork of a process that used it.)
+    code = r"""
+import json, os, sys, time
+import pyopencl as cl, asyncclcache as acc
+from kernels import seed_source
+cache = acc.Cache(sys.argv[1], strategy="process", exit_timeout=60)
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache.program(ctx, seed_source(600, salt="fork-parent")).build()
+assert cache.stats().pending == 1
+r, w = os.pipe()
+t0 = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    t = time.monotonic()
+    flushed = cache.flush(30)
+    s = cache.stats()
+    os.write(w, json.dumps({"flushed": flushed, "pending": s.pending, "misses": s.misses,
+                            "flush_took": time.monotonic() - t}).encode())
+    sys.exit(0)   # interpreter exit: the atexit close must not wait for the parent's work
+os.close(w)
+child = json.loads(os.read(r, 65536).decode())
+os.waitpid(pid, 0)
+child["lived"] = time.monotonic() - t0
+print(json.dumps({"child": child, "parent_flushed": cache.flush(120), "parent": cache.stats().as_dict()}))
+"""
+    out = child_json(run_child(code, str(cache_dir)))
+    c = out["child"]
+    assert c["flushed"] and c["pending"] == 0 and c["misses"] == 0  # a clean state
+    assert c["flush_took"] < 5 and c["lived"] < 20, c  # neither the compile nor the exit timeout
+    assert out["parent_flushed"] and out["parent"]["writes"] == 1 and out["parent"]["misses"] == 1
+    assert len(list(Store(cache_dir).entries())) == 1

@@ -989,6 +989,31 @@ def test_private_or_read_only_for_others_is_accepted(cache_dir: Path, mode: int)
     assert stat.S_IMODE(cache_dir.stat().st_mode) == mode  # an existing base is left alone
 
 
+def test_entry_in_an_insecure_fanout_directory_is_not_loaded(store: Store) -> None:
+    # Checked on read too: others could have planted the entry there.
+    key = key_of("fanout-read")
+    store.publish(make_entry(key, b"first"))
+    store.path_for(key).parent.chmod(0o777)
+    try:
+        with pytest.warns(InsecureCacheWarning, match="writable by group or others"):
+            assert store.load(key, IDENT) is None
+        assert store.path_for(key).exists()  # not ours to delete
+    finally:
+        store.path_for(key).parent.chmod(0o700)
+    assert store.load(key, IDENT) is not None
+
+
+def test_entry_with_two_hard_links_is_not_loaded(store: Store, tmp_path: Path) -> None:
+    key = key_of("hardlink")
+    store.publish(make_entry(key, b"first"))
+    os.link(store.path_for(key), tmp_path / "elsewhere")
+    with pytest.warns(InsecureCacheWarning, match="hard links"):
+        assert store.load(key, IDENT) is None
+    assert [b for _, b in store.verify()] and "hard links" in store.verify()[0][1]
+    (tmp_path / "elsewhere").unlink()
+    assert store.load(key, IDENT) is not None
+
+
 def test_insecure_fanout_directory_is_not_written(store: Store) -> None:
     key = key_of("fanout")
     store.publish(make_entry(key, b"first"))

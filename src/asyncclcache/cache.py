@@ -11,6 +11,8 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import math
+import os
 import threading
 import time
 import warnings
@@ -60,6 +62,7 @@ class Stats:
     refreshes: int = 0  # entries rewritten because the program gained variants
     rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
     unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
+    uncacheable: int = 0  # builds not cached: an #include that cannot be resolved for certain
     errors: int = 0  # background failures (logged)
     evictions: int = 0  # entries removed to keep the directory under max_size
     seconds_saved: float = 0.0  # estimated compile time that hits avoided
@@ -147,7 +150,9 @@ class Cache:
         self.strategy = strategy
         self.disabled = cfg.disable
         self.failure_fatal = cfg.failure_fatal
-        self.exit_timeout = cfg.exit_timeout if exit_timeout is None else exit_timeout
+        self.exit_timeout = cfg.exit_timeout if exit_timeout is None else float(exit_timeout)
+        if not (math.isfinite(self.exit_timeout) and self.exit_timeout >= 0):
+            raise ValueError(f"exit_timeout must be a finite number of seconds >= 0, got {exit_timeout!r}")
         self.max_size = parse_size(max_size) if max_size is not None else cfg.max_size
         self.store = Store(directory, rank_local=rank_local)
         self._size_estimate: int | None = None  # bytes on disk, scanned once, then tracked
@@ -164,16 +169,36 @@ class Cache:
         self._errors: list[BaseException] = []
         self._steps: list[Step] = []
         self._drivers: dict[str, Driver] = {}
-        self._workers = Workers(
-            max(1, workers), "asyncclcache-writer", self._background_error,
-            lambda s: self._count("background_cpu_seconds", s),
-        )
+        self._nworkers = max(1, workers)
+        self._workers = self._new_workers()
         self._closed = False
         self._swept = False
         _CACHES.add(self)
 
     def __repr__(self) -> str:
         return f"Cache({str(self.store.root)!r}, strategy={self.strategy!r})"
+
+    def _new_workers(self) -> Workers:
+        return Workers(
+            self._nworkers, "asyncclcache-writer", self._background_error,
+            lambda s: self._count("background_cpu_seconds", s),
+        )
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's threads, helper and pending work did not come along: start clean.
+        # Its claims (flocks) are shared with the parent, so they are left alone, not released.
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._counts = {f.name: 0 for f in fields(Stats)}
+        self._saved_counts = {}
+        self._pending = 0
+        self._jobs = {}
+        self._inflight = set()
+        self._refreshable = set()
+        self._errors = []
+        self._steps = []
+        self._drivers = {}
+        self._workers = self._new_workers()
 
     # {{{ public API
 
@@ -653,6 +678,17 @@ def default_cache() -> Cache:
 def step(*, wait: bool = False) -> Any:
     """``default_cache().step(wait=wait)``."""
     return default_cache().step(wait=wait)
+
+
+def _after_fork_in_child() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()
+    for cache in list(_CACHES):
+        cache._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

@@ -263,8 +263,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from .config import get_config
 
     max_size = args.max_size if args.max_size is not None else get_config().max_size
+    max_size = max_size or None  # 0: no bound, as ASYNCCLCACHE_MAX_SIZE=0
     if max_size is None and args.older_than is None:
-        raise UsageError("prune needs --max-size or --older-than (or ASYNCCLCACHE_MAX_SIZE)")
+        raise UsageError("prune needs --max-size or --older-than (or ASYNCCLCACHE_MAX_SIZE); "
+                         "a size of 0 means no bound")
     stores = _stores(args)
     removed = freed = remaining = 0
     busy = False
@@ -395,6 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"asyncclcache: {e}", file=sys.stderr)
             return EXIT_USAGE
     args = parser.parse_args(argv)
+    from .config import get_config
+
+    try:
+        get_config()  # a bad ASYNCCLCACHE_* setting is a usage error, named, not a traceback
+    except ValueError as e:
+        print(f"asyncclcache: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

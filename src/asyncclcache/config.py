@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ def parse_bool(value: str | None, *, name: str = "value") -> bool | None:
 
 
 def parse_size(value: str | int | None) -> int | None:
-    """Parse ``500M``, ``2G``, ``1024`` (bytes). ``None`` and ``0`` mean no limit."""
+    """Parse ``500M``, ``2G``, ``1024`` (bytes). ``None`` and ``0`` mean no limit (as in
+    ccache), for ``ASYNCCLCACHE_MAX_SIZE``, ``Cache(max_size=)`` and ``prune --max-size`` alike."""
     if value is None:
         return None
     if isinstance(value, int):
@@ -81,13 +83,16 @@ class Config:
             workers = int(raw)
         except ValueError:
             raise ValueError(f"ASYNCCLCACHE_WORKERS: expected an integer, got {raw!r}") from None
-        if workers < 1:
-            raise ValueError("ASYNCCLCACHE_WORKERS: must be >= 1")
+        if not 1 <= workers <= 256:
+            raise ValueError(f"ASYNCCLCACHE_WORKERS: must be between 1 and 256, got {workers}")
         raw = e.get("ASYNCCLCACHE_EXIT_TIMEOUT", "5") or "5"
         try:
             exit_timeout = float(raw)
         except ValueError:
             raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected seconds, got {raw!r}") from None
+        # nan compares false with everything: a wait bounded by it would never end.
+        if not (math.isfinite(exit_timeout) and exit_timeout >= 0):
+            raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected a finite number of seconds >= 0, got {raw!r}")
         try:
             max_size = parse_size(e.get("ASYNCCLCACHE_MAX_SIZE") or None)  # empty: unset
         except ValueError as err:

@@ -34,6 +34,7 @@ FIELDS = (
     "refreshes",
     "rejected",
     "unidentified",
+    "uncacheable",
     "errors",
     "evictions",
     "seconds_saved",

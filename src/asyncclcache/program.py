@@ -9,6 +9,7 @@ binaries to the cache's background work (:meth:`Cache._schedule`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -65,6 +66,11 @@ def cached_build(
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
     driver = cache.driver_for(devs)
     info = make_key(source_bytes, options_bytes, devs, include_path, kind=driver.kind)
+    if info.uncertain is not None:
+        # A header we cannot track for certain could change without changing the key.
+        logger.info("asyncclcache: not caching a program: %s", info.uncertain)
+        cache._count("uncacheable")
+        return _PYOPENCL_BUILD(prg, options, devices, cache_dir)
     prg.cache_key = info.key  # type: ignore[attr-defined]
     entry = cache._lookup(info)
     overhead = time.perf_counter() - t_start
@@ -207,6 +213,15 @@ class Program(cl.Program):
 # {{{ install
 
 _install_lock = threading.Lock()
+
+
+def _new_install_lock() -> None:
+    global _install_lock
+    _install_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # held by another thread at fork: the child's would never open
+    os.register_at_fork(after_in_child=_new_install_lock)
 _installed_cache: Cache | None = None
 _install_depth = 0
 

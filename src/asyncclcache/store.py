@@ -67,6 +67,13 @@ TEMP_MAX_AGE = 3600.0
 #: locking it (the claimer would skip; observed with a sweep thread). Across processes
 #: that window is microseconds; a probe landing in it costs one skipped write.
 _PROBING = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a fork while another thread probed must not deadlock
+
+    def _new_probing_lock() -> None:
+        global _PROBING
+        _PROBING = threading.Lock()
+
+    os.register_at_fork(after_in_child=_new_probing_lock)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # A FIFO planted where an entry should be would block open() for reading forever.
@@ -118,6 +125,9 @@ def _insecure(st: os.stat_result) -> str | None:
         return f"owned by uid {st.st_uid}, not {os.geteuid()}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        # A hard link made elsewhere (by whoever could write there) into our directory.
+        return f"has {st.st_nlink} hard links"
     return None
 
 
@@ -258,6 +268,12 @@ class Store:
             # Otherwise missing or blocked by a file: the writer's problem, not a bad entry.
             return None
         try:
+            # The fan-out directory too: another user's, or one others may write, could
+            # hold a planted entry (checked on read as well as on write).
+            why = _insecure(os.fstat(dfd))
+            if why is not None:
+                self._reject(path.parent, why, None, insecure=True)
+                return None
             fd = os.open(path.name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
         except FileNotFoundError:
             return None

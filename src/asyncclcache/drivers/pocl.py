@@ -204,6 +204,10 @@ class HelperDriver(Driver):
     # }}}
 
     def stale(self, jobs: Sequence[Job]) -> list[Job]:
+        if kernel_cache_dir() is None:
+            # pocl's cache off: the helper's binary holds the generic variant only, and a
+            # new query could not add the parent's variants: nothing to refresh, ever.
+            return []
         newest = newest_variants()
         out = []
         for job in jobs:
