@@ -434,3 +434,46 @@ print(json.dumps({"child": child, "parent_flushed": cache.flush(120), "parent": 
     assert c["flush_took"] < 5 and c["lived"] < 20, c  # neither the compile nor the exit timeout
     assert out["parent_flushed"] and out["parent"]["writes"] == 1 and out["parent"]["misses"] == 1
     assert len(list(Store(cache_dir).entries())) == 1
+
+
+def test_helper_protocol_survives_a_printing_sitecustomize(cache_dir, tmp_path):
+    # Issue 12: any output on the helper's stdout before it spoke the protocol made every
+    # later request fail; the protocol now has pipes of its own.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\nprint('hello from sitecustomize', flush=True)\nsys.stdout.write('\\x00\\x00\\x00\\x05garbage\\n')\n"
+    )
+    code = r"""
+import json, sys
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+cache = acc.Cache(sys.argv[1], strategy="process")
+prg = cache.program(ctx, small_source(salt="sitecustomize")).build()
+ok = run_twice(ctx, prg)
+print(json.dumps({"ok": ok, "flushed": cache.flush(120), "stats": cache.stats().as_dict(),
+                  "crashes": cache._drivers["process"].crashes}))
+"""
+    from conftest import ROOT
+
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    out = child_json(run_child(code, str(cache_dir), env=env))
+    assert out["ok"] and out["flushed"] and out["crashes"] == 0
+    assert out["stats"]["writes"] == 1 and out["stats"]["errors"] == 0
+
+
+def test_wire_rejects_garbage_and_times_out():
+    import io
+
+    from asyncclcache.drivers import _wire
+
+    for junk in (b"\x00\x00\x00\x05garbage", b"\x00\x00\x00\x02[]", b'\x00\x00\x00\x0f{"payload": -1}'):
+        with pytest.raises(_wire.WireError):
+            _wire.recv(io.BytesIO(junk))
+    r, w = os.pipe()
+    try:
+        with open(r, "rb", buffering=0) as f, pytest.raises(_wire.WireTimeout):
+            _wire.recv(f, timeout=0.2)
+    finally:
+        os.close(w)

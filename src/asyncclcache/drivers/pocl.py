@@ -10,6 +10,7 @@ environment, builds the same source in a fresh program object and queries there
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 #: Restarts after a helper crash before the driver gives up for this process.
 MAX_RESTARTS = 3
+#: Every wait on the helper is bounded. Start-up: Python and pyopencl at SCHED_IDLE, which
+#: on a machine with no idle core can take long. A request: one program's generic compile.
+HELLO_TIMEOUT = 300.0
+REQUEST_TIMEOUT = 1800.0
 
 
 def newest_variants() -> dict[str, float] | None:
@@ -96,6 +101,8 @@ class HelperDriver(Driver):
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._req: IO[bytes] | None = None  # requests to the helper
+        self._ans: IO[bytes] | None = None  # its answers (unbuffered: waits use select)
         self._closed = False
         self.starts = 0  # helpers that said hello
         self.attempts = 0  # spawns tried (bounded by MAX_RESTARTS + 1)
@@ -119,24 +126,44 @@ class HelperDriver(Driver):
     # {{{ client thread
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _HELPER_BOOT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=dict(os.environ),  # same POCL_* settings, so pocl computes the same hash
-            close_fds=True,
-        )
-        assert proc.stdout is not None
+        # Requests and answers travel on pipes of their own, not stdin/stdout: output of
+        # anything else in the helper (a sitecustomize that prints) cannot desynchronise it.
+        req_r, req_w = os.pipe()
+        ans_r, ans_w = os.pipe()
         try:
-            hello, _ = _wire.recv(proc.stdout)
-        except _wire.WireError:
-            rc = proc.wait()
-            raise HelperError(f"helper process failed to start (exit status {rc})") from None
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _HELPER_BOOT, str(req_r), str(ans_w)],
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ),  # same POCL_* settings, so pocl computes the same hash
+                close_fds=True,
+                pass_fds=(req_r, ans_w),
+            )
+        finally:
+            os.close(req_r)
+            os.close(ans_w)
+        self._req = os.fdopen(req_w, "wb")
+        self._ans = os.fdopen(ans_r, "rb", buffering=0)
+        try:
+            hello, _ = _wire.recv(self._ans, HELLO_TIMEOUT)
+            pid = int(hello["pid"])
+        except (_wire.WireError, KeyError, TypeError, ValueError) as e:
+            self._kill(proc)
+            raise HelperError(f"helper process failed to start ({e}; exit status {proc.returncode})") from None
         self.starts += 1
-        self.helper_pid = int(hello["pid"])
+        self.helper_pid = pid
         self.priority = str(hello.get("priority"))
         logger.debug("helper process %s started (%s)", self.helper_pid, self.priority)
         return proc
+
+    def _kill(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for f in (self._req, self._ans):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        self._req = self._ans = None
 
     def _run(self) -> None:
         while True:
@@ -159,17 +186,21 @@ class HelperDriver(Driver):
                 raise HelperError("helper process keeps failing; giving up for this process")
             self.attempts += 1
             proc = self._proc = self._spawn()
-        stdin: IO[bytes] = proc.stdin  # type: ignore[assignment]
-        stdout: IO[bytes] = proc.stdout  # type: ignore[assignment]
+        req: IO[bytes] = self._req  # type: ignore[assignment]
+        ans: IO[bytes] = self._ans  # type: ignore[assignment]
         try:
             _wire.send(
-                stdin,
+                req,
                 {"op": "binaries", "id": job.key, "devices": list(job.info.devices)},
                 [job.source, job.options],
             )
-            header, payloads = _wire.recv(stdout)
+            header, payloads = _wire.recv(ans, REQUEST_TIMEOUT)
+            if not isinstance(header, dict):
+                raise _wire.WireError("bad header: not an object")
         except (OSError, _wire.WireError) as e:
-            rc = proc.wait()
+            # Dead, silent too long, or talking garbage: a fresh helper for the next job.
+            self._kill(proc)
+            rc = proc.returncode
             self._proc = None
             if self._closed:
                 raise Dropped("helper stopped at close") from None
@@ -192,14 +223,16 @@ class HelperDriver(Driver):
         if proc is None:
             return
         try:
-            if proc.stdin is not None:
-                proc.stdin.close()
+            if self._req is not None:
+                self._req.close()  # EOF: the helper exits
             proc.wait(timeout)
         except (OSError, subprocess.TimeoutExpired):
             proc.kill()
             proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if self._ans is not None:
+            with contextlib.suppress(OSError):
+                self._ans.close()
+        self._req = self._ans = None
 
     # }}}
 

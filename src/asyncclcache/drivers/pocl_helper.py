@@ -69,10 +69,11 @@ class _Devices:
 def main() -> int:
     from asyncclcache.drivers import _wire
 
-    # Keep the protocol channel to ourselves: anything printed goes to stderr.
-    out = os.fdopen(os.dup(1), "wb")
+    # The protocol has private pipes (their fds in argv), so nothing printed by anyone, a
+    # sitecustomize at start-up included, can reach it; stray prints go to stderr.
+    inp = os.fdopen(int(sys.argv[1]), "rb")
+    out = os.fdopen(int(sys.argv[2]), "wb")
     os.dup2(2, 1)
-    inp = sys.stdin.buffer
     priority = _lower_priority()
     # The main process already showed the user its build's warnings.
     warnings.simplefilter("ignore")
