@@ -276,3 +276,33 @@ def test_prune_max_size_zero_means_no_bound_as_in_the_environment(populated: tup
     r = cli("prune", "--dir", str(cache_dir), env={"ASYNCCLCACHE_MAX_SIZE": "0"})
     assert r.returncode == 2 and "0 means no bound" in r.stderr
     assert len(list(Store(cache_dir).entries())) == 3  # nothing evicted
+
+
+def test_entry_with_wrong_metadata_types_is_reported_not_a_traceback(cache_dir: Path) -> None:
+    import struct
+
+    from asyncclcache.entry import MAGIC
+    from asyncclcache.keys import FORMAT_VERSION
+
+    store = Store(cache_dir)
+    good = _publish(store, 1, 10)
+    key = hashlib.sha256(b"bad types").hexdigest()
+    meta = json.dumps({"key": key, "binary_sizes": [3], "devices": 5, "kernels": [1, 2],
+                       "created": "yesterday"}).encode()
+    body = struct.pack("<8sHHI", MAGIC, FORMAT_VERSION, 0, len(meta)) + meta + b"bin"
+    path = store.path_for(key)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.write_bytes(body + hashlib.blake2b(body, digest_size=32).digest())
+    path.chmod(0o600)
+    for command in ("list", "info"):
+        r = cli(command, "--dir", str(cache_dir))
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    v = cli("verify", "--dir", str(cache_dir), "--json")
+    assert v.returncode == 1 and "Traceback" not in v.stderr
+    r = json.loads(v.stdout)
+    assert [b["key"] for b in r["bad"]] == [key] and "bad metadata" in r["bad"][0]["problem"]
+    from asyncclcache.errors import CorruptEntryWarning
+
+    with pytest.warns(CorruptEntryWarning, match="bad metadata"):
+        assert store.load(key) is None
+    assert store.load(good.key) is not None

@@ -25,7 +25,17 @@ from typing import IO, Any
 
 from .keys import FORMAT_VERSION
 
-__all__ = ["KINDS", "MAGIC", "Entry", "EntryFormatError", "decode", "encode", "layout_problem", "read_meta"]
+__all__ = [
+    "KINDS",
+    "MAGIC",
+    "Entry",
+    "EntryFormatError",
+    "decode",
+    "encode",
+    "layout_problem",
+    "meta_problem",
+    "read_meta",
+]
 
 #: What an entry holds: per-device binaries, or pocl kernel-cache files (``meta["files"]``).
 KINDS = ("binary", "kcache")
@@ -57,6 +67,42 @@ class Entry:
     def kind(self) -> str:
         """``binary`` (one binary per device) or ``kcache`` (pocl's kernel-cache files)."""
         return str(self.meta.get("kind", "binary"))
+
+
+def _str_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(i, str) for i in x)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+#: The metadata fields readers use, and the type each must have when present.
+_META_TYPES: dict[str, Any] = {
+    "kind": lambda x: isinstance(x, str),
+    "devices": lambda x: isinstance(x, list)
+    and all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in x),
+    "files": _str_list,
+    "kernels": _str_list,
+    "build_logs": _str_list,
+    "options": lambda x: isinstance(x, str),
+    "source_sha256": lambda x: isinstance(x, str),
+    "includes": lambda x: isinstance(x, list)
+    and all(isinstance(i, list) and len(i) == 2 and _str_list(i) for i in x),
+    "created": _number,
+    "compile_seconds": _number,
+    "snapshot": lambda x: isinstance(x, str),
+    "strategy": lambda x: isinstance(x, str),
+    "asyncclcache": lambda x: isinstance(x, str),
+}
+
+
+def meta_problem(meta: dict[str, Any]) -> str | None:
+    """Why the metadata does not have the types its readers rely on, or ``None``."""
+    for name, ok in _META_TYPES.items():
+        if name in meta and not ok(meta[name]):
+            return f"bad metadata: {name!r} is {type(meta[name]).__name__}"
+    return None
 
 
 def layout_problem(entry: Entry) -> str | None:
@@ -123,8 +169,13 @@ def decode(data: bytes) -> Entry:
     if not isinstance(meta, dict) or not isinstance(meta.get("key"), str):
         raise EntryFormatError("bad metadata: no key")
     sizes = meta.get("binary_sizes")
-    if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 0 for s in sizes):
+    if not isinstance(sizes, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
+    ):
         raise EntryFormatError("bad metadata: binary sizes")
+    problem = meta_problem(meta)
+    if problem is not None:
+        raise EntryFormatError(problem)
     start = _HEADER.size + meta_len
     if start + sum(sizes) != len(data) - _DIGEST_SIZE:
         raise EntryFormatError("binary sizes do not add up")
@@ -150,4 +201,7 @@ def read_meta(f: IO[bytes]) -> dict[str, Any]:
         raise EntryFormatError(f"bad metadata: {e}") from None
     if not isinstance(meta, dict):
         raise EntryFormatError("bad metadata")
+    problem = meta_problem(meta)
+    if problem is not None:
+        raise EntryFormatError(problem)
     return meta

@@ -1,0 +1,114 @@
+"""Fuzzing (hypothesis): the entry decoder, the store's reader and the helper's wire
+protocol turn any bytes into a result or their own error, never another exception."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import struct
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from asyncclcache.drivers import _wire  # noqa: E402
+from asyncclcache.entry import MAGIC, Entry, EntryFormatError, decode, encode, read_meta  # noqa: E402
+from asyncclcache.errors import AsyncCLCacheWarning  # noqa: E402
+from asyncclcache.keys import FORMAT_VERSION  # noqa: E402
+from asyncclcache.store import Store  # noqa: E402
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=10,
+)
+FIELDS = ["kind", "devices", "files", "kernels", "build_logs", "options", "includes", "created",
+          "compile_seconds", "binary_sizes", "key", "snapshot"]
+
+
+def _with_checksum(meta: dict[str, Any], blobs: list[bytes]) -> bytes:
+    # A well-formed container around arbitrary metadata: only the content is hostile.
+    meta_bytes = json.dumps(meta).encode()
+    body = b"".join([struct.pack("<8sHHI", MAGIC, FORMAT_VERSION, 0, len(meta_bytes)), meta_bytes, *blobs])
+    return body + hashlib.blake2b(body, digest_size=32).digest()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_decoder_on_any_bytes(data: bytes) -> None:
+    try:
+        decode(data)
+    except EntryFormatError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), st.lists(st.binary(max_size=8), max_size=3))
+def test_decoder_on_checksummed_hostile_metadata(meta: dict[str, Any], blobs: list[bytes]) -> None:
+    meta = dict(meta, key="k" * 64)
+    meta.setdefault("binary_sizes", [len(b) for b in blobs])
+    try:
+        entry = decode(_with_checksum(meta, blobs))
+    except EntryFormatError:
+        return
+    # What decodes has the types its readers rely on.
+    assert isinstance(entry.kind, str)
+    for name in ("kernels", "files", "build_logs"):
+        assert all(isinstance(x, str) for x in entry.meta.get(name, []))
+    try:
+        read_meta(io.BytesIO(_with_checksum(meta, blobs)))
+    except EntryFormatError:
+        pytest.fail("read_meta refused what decode accepted")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6))
+def test_store_load_never_raises_for_content(tmp_path: Path, meta: dict[str, Any]) -> None:
+    store = Store(tmp_path / "acc")
+    key = hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()
+    meta = dict(meta, key=key)
+    blobs = [b"x"]
+    meta["binary_sizes"] = [1]
+    path = store.path_for(key)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.write_bytes(_with_checksum(meta, blobs))
+    path.chmod(0o600)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AsyncCLCacheWarning)
+        got = store.load(key)
+        store.verify()
+    assert got is None or isinstance(got, Entry)
+
+
+def test_a_valid_entry_still_loads(tmp_path: Path) -> None:
+    store = Store(tmp_path / "acc")
+    e = Entry("a" * 64, (b"bin",), {"devices": [{"device_name": "d"}], "kernels": ["k"], "created": 1.0})
+    store.publish(e)
+    assert store.load(e.key) == decode(encode(e))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_wire_on_any_bytes(data: bytes) -> None:
+    try:
+        header, payloads = _wire.recv(io.BytesIO(data))
+    except _wire.WireError:
+        return
+    assert isinstance(header, dict) and all(isinstance(p, bytes) for p in payloads)
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON)
+def test_wire_on_any_json_header(header: Any) -> None:
+    raw = json.dumps(header).encode()
+    try:
+        h, _ = _wire.recv(io.BytesIO(struct.pack(">I", len(raw)) + raw + b"\0" * 64))
+    except _wire.WireError:
+        return
+    assert isinstance(h, dict)
