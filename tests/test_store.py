@@ -804,10 +804,15 @@ def test_populated_cache_made_read_only(tmpfs: Callable[[str], Path]) -> None:
     mnt = tmpfs("mode=0700,size=1m")
     Store(mnt).publish(make_entry(key_of("ro")))
     _remount_ro(mnt)
-    with pytest.warns(CacheDirWarning, match="not writable") as record:
+    with pytest.warns(CacheDirWarning, match="read-only: reading its entries, writing none") as record:
         store = Store(mnt)
     assert len(lib_warnings(record)) == 1
-    _assert_disabled(store)
+    # Issue 12: hits from a read-only cache (a container image), nothing written.
+    assert store.enabled and store.read_only and not store.writable
+    assert store.load(key_of("ro"), IDENT) is not None
+    assert store.claim(key_of("other")) is None
+    assert store.publish(make_entry(key_of("other"))) is PublishResult.DISABLED
+    assert store.sweep() == 0
 
 
 def test_full_file_system(tmpfs: Callable[[str], Path]) -> None:
@@ -1112,3 +1117,46 @@ def test_directory_removed_while_running_is_recreated(tmp_path):
     assert store.publish(Entry(key, (b"y",), {"devices": [{}]})) is PublishResult.WRITTEN
     assert store.load(key).binaries == (b"y",)
     assert oct((tmp_path / "c").stat().st_mode & 0o777) == "0o700"
+
+
+def test_read_only_directory_serves_hits_and_writes_nothing(tmp_path: Path) -> None:
+    # A pre-populated cache on a read-only mount (a container image, say). Root ignores
+    # permission bits, so the test mounts the directory read-only for real.
+    from conftest import child_json, run_child
+
+    src_dir, ro = tmp_path / "filled", tmp_path / "ro"
+    code = r"""
+import json, sys, warnings
+warnings.simplefilter("always")
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+with warnings.catch_warnings(record=True) as said:
+    cache = acc.Cache(sys.argv[1])
+    ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+    prgs = [cache.program(ctx, small_source(name=n, salt=n)).build() for n in ("ro_a", "ro_b")]
+    ok = all(run_twice(ctx, p, name=n) for p, n in zip(prgs, ("ro_a", "ro_b")))
+    flushed = cache.flush(60)
+    cache.close()
+print(json.dumps({"ok": ok, "flushed": flushed, "stats": cache.stats().as_dict(),
+                  "read_only": cache.store.read_only,
+                  "said": [str(w.message) for w in said if "read-only" in str(w.message)]}))
+"""
+    first = child_json(run_child(code, str(src_dir)))
+    assert first["stats"]["writes"] == 2 and not first["read_only"]
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(src_dir), str(ro)], capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        r = subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True, check=False)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {r.stderr.decode().strip()}")
+        before = sorted(p.name for p in ro.rglob("*"))
+        out = child_json(run_child(code, str(ro)))
+        assert out["ok"] and out["flushed"] and out["read_only"]
+        s = out["stats"]
+        assert (s["hits"], s["misses"], s["writes"], s["errors"], s["write_errors"]) == (2, 0, 0, 0, 0)
+        assert len(out["said"]) == 1
+        assert sorted(p.name for p in ro.rglob("*")) == before
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)

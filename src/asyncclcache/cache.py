@@ -359,7 +359,7 @@ class Cache:
                     self._counts["seconds_saved"] += max(0.0, compile_seconds - seconds)
             if self._steps:
                 self._steps[-1]._count(hit)
-        if entry is not None and self.store.enabled:
+        if entry is not None and self.store.writable:
             # LRU bookkeeping: a cheap utime, off the caller's thread.
             self._workers.submit(lambda: self.store.touch(entry.key))
 
@@ -394,7 +394,7 @@ class Cache:
         that another process wrote after this one missed it; ``built_from``/``built_to``
         (``time.time()``) bracket the source build.
         """
-        if not self.active or not self.store.enabled:
+        if not self.active or not self.store.writable:
             return
         driver = self.driver_for(devices)
         job = Job(
@@ -424,7 +424,7 @@ class Cache:
     def _watch(self, info: KeyInfo, source: bytes, devices: Sequence[cl.Device], entry: Entry,
                folders: Sequence[str]) -> None:
         """A hit whose driver can tell cheaply when it gained variants: refresh it at flush."""
-        if not self.active or not self.store.enabled:
+        if not self.active or not self.store.writable:
             return
         driver = self.driver_for(devices)
         meta = entry.meta
@@ -599,7 +599,7 @@ class Cache:
     def _save_lifetime(self) -> None:
         """Add what this process counted since the last save to the directory's lifetime
         counters (bounded lock wait; a busy lock means: next time)."""
-        if not self.store.enabled:
+        if not self.store.writable:
             return
         with self._lock:
             now = {k: v for k, v in self._counts.items() if k in lifetime.FIELDS}

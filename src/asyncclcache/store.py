@@ -174,6 +174,8 @@ class Store:
         self.root = root
         self.problem: str | None = None
         self.missing = False
+        #: Entries are read but never written (the directory is not writable).
+        self.read_only = False
         if create:
             self._open()
         elif not self.root.is_dir():
@@ -193,7 +195,16 @@ class Store:
             self.base.parent.mkdir(parents=True, exist_ok=True)
             self._make_dirs()
             if not os.access(self.root, os.W_OK | os.X_OK):
-                raise PermissionError(errno.EACCES, "not writable", str(self.root))
+                if not os.access(self.root, os.R_OK | os.X_OK):
+                    raise PermissionError(errno.EACCES, "not readable", str(self.root))
+                # A pre-populated cache on a read-only mount or image: hits, no writes.
+                self.read_only = True
+                warnings.warn(
+                    f"asyncclcache: cache directory {self.root} is read-only: reading its "
+                    "entries, writing none",
+                    CacheDirWarning,
+                    stacklevel=4,
+                )
         except _Insecure as e:
             self.problem = str(e)
             warnings.warn(
@@ -214,6 +225,11 @@ class Store:
     def enabled(self) -> bool:
         """True when the directory is usable."""
         return self.problem is None
+
+    @property
+    def writable(self) -> bool:
+        """True when entries can be written (usable and not read-only)."""
+        return self.problem is None and not self.read_only
 
     @staticmethod
     def _make_dir(path: Path, *, follow: bool = False) -> None:
@@ -364,7 +380,7 @@ class Store:
         The lock is an ``flock``: a killed holder's claim expires with it. Pass the
         claim to :meth:`publish` and release it when done. Thread-safe.
         """
-        if not self.enabled:
+        if not self.enabled or self.read_only:
             return None
         directory = self._fanout(key)
         self._make_dirs(directory)
@@ -391,7 +407,7 @@ class Store:
         called with the temp path before the data is written (tests widen the
         window with it).
         """
-        if not self.enabled:
+        if not self.enabled or self.read_only:
             return PublishResult.DISABLED
         own = claim is None
         if claim is None:
@@ -610,6 +626,8 @@ class Store:
 
     def sweep(self) -> int:
         """Remove orphaned temp and lock files; returns how many. Safe to run anytime."""
+        if self.read_only:
+            return 0
         temps, locks = self._orphans(remove_locks=True)
         n = len(locks)
         for p in temps:
