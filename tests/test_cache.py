@@ -99,3 +99,18 @@ def test_import_and_a_warm_hit_leave_filelock_unloaded(cl_ctx, cache_dir):
                        timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_job_table_is_bounded(cl_ctx, cache_dir, monkeypatch):
+    import asyncclcache.cache as cache_mod
+    from kernels import run_twice, small_source
+
+    monkeypatch.setattr(cache_mod, "MAX_JOBS", 3)
+    cache = acc.Cache(cache_dir)
+    for i in range(6):
+        prg = cache.program(cl_ctx, small_source(name=f"bounded{i}")).build()
+        assert run_twice(cl_ctx, prg, name=f"bounded{i}")
+    assert cache.flush(120)
+    assert cache.stats().writes == 6
+    assert len(cache._jobs) <= 3
+    cache.close()

@@ -380,6 +380,9 @@ def test_killed_writer_leaves_no_visible_entry(killed_writer: tuple[str, Path]) 
     assert tmp.exists()
     assert tmp.name.startswith(TEMP_PREFIX)
     assert tmp.name.endswith(TEMP_SUFFIX)
+    from asyncclcache.store import _HOST
+
+    assert tmp.name.startswith(f"{TEMP_PREFIX}{_HOST}-")  # the host's digest, then the pid
     assert 0 < tmp.stat().st_size < len(encode(make_entry(key, b"killed writer " * 5000)))
     lock = tmp.parent / f"{key}{LOCK_SUFFIX}"
     assert lock.exists()  # the killed writer could not clean up its lock file
@@ -530,13 +533,23 @@ def test_orphan_rules_for_temp_files(store: Store) -> None:
     old.write_bytes(b"x")
     t = old.stat().st_mtime - TEMP_MAX_AGE - 60
     os.utime(old, (t, t))
+    from asyncclcache.store import _HOST
+
+    # Issue 12: another host's write in progress on a shared directory, with a PID that is
+    # dead here: it must not be swept (only once it is old).
+    other_host = "0f0f0f0f" if _HOST != "0f0f0f0f" else "1e1e1e1e"
+    remote = fanout / f"{TEMP_PREFIX}{other_host}-{int(dead.stdout)}-abc{TEMP_SUFFIX}"
+    remote.write_bytes(b"x")
+    local_dead = fanout / f"{TEMP_PREFIX}{_HOST}-{int(dead.stdout)}-abc{TEMP_SUFFIX}"
+    local_dead.write_bytes(b"x")
     unrelated = fanout / "notes.txt"
     unrelated.write_bytes(b"x")
     temps, locks = store.orphans()
-    assert sorted(temps) == sorted([gone, old])
+    assert sorted(temps) == sorted([gone, old, local_dead])
+    assert remote not in temps
     assert locks == []
-    assert store.sweep() == 2
-    assert mine.exists()
+    assert store.sweep() == 3
+    assert mine.exists() and remote.exists()
     assert unrelated.exists()
     assert store.path_for(key).exists()
 

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of entries kept in memory for repeated builds in one process.
 MEMORY_BUDGET = 64 << 20
+#: Programs whose jobs are kept (for refreshes) per cache; the oldest go first.
+MAX_JOBS = 4096
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ class Cache:
         self._pending = 0
         self._memory: OrderedDict[str, Entry] = OrderedDict()
         self._memory_bytes = 0
-        self._jobs: dict[str, Job] = {}  # key -> job, for programs built by this process
+        # key -> job, for programs built by this process (the newest MAX_JOBS: refreshable)
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._inflight: set[str] = set()
         self._refreshable: set[str] = set()
         self._errors: list[BaseException] = []
@@ -192,7 +195,7 @@ class Cache:
         self._counts = {f.name: 0 for f in fields(Stats)}
         self._saved_counts = {}
         self._pending = 0
-        self._jobs = {}
+        self._jobs = OrderedDict()
         self._inflight = set()
         self._refreshable = set()
         self._errors = []
@@ -407,7 +410,7 @@ class Cache:
         with self._lock:
             if info.key in self._jobs and info.key in self._inflight:
                 return  # the same program is already on its way
-            self._jobs[info.key] = job
+            self._keep_job(job)
             step = self._steps[-1] if self._steps else None
             if step is not None:
                 step.jobs.append(job)
@@ -420,6 +423,19 @@ class Cache:
         elif driver.warms_up:
             # The warm-up may run now, in the other process; the snapshot waits for the step.
             self._fetch(job, Purpose.WARMUP)
+
+    def _keep_job(self, job: Job) -> None:
+        # Under self._lock. Bounded: a process that builds thousands of programs keeps the
+        # newest; an older one only loses its refresh (a later run compiles that variant).
+        self._jobs[job.key] = job
+        self._jobs.move_to_end(job.key)
+        if len(self._jobs) > MAX_JOBS:
+            for key in list(self._jobs):
+                if len(self._jobs) <= MAX_JOBS:
+                    break
+                if key not in self._inflight:
+                    del self._jobs[key]
+                    self._refreshable.discard(key)
 
     def _watch(self, info: KeyInfo, source: bytes, devices: Sequence[cl.Device], entry: Entry,
                folders: Sequence[str]) -> None:
@@ -437,7 +453,7 @@ class Cache:
         with self._lock:
             if info.key in self._inflight:
                 return
-            self._jobs[info.key] = job
+            self._keep_job(job)
             self._refreshable.add(info.key)
 
     # }}}
@@ -635,7 +651,7 @@ class Cache:
             if self._closed:
                 return
             keys = [k for k in self._refreshable if k not in self._inflight]
-            jobs = [self._jobs[k] for k in keys]
+            jobs = [self._jobs[k] for k in keys if k in self._jobs]
         by_driver: dict[int, list[Job]] = {}
         for job in jobs:
             by_driver.setdefault(id(job.driver), []).append(job)

@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import hashlib
 import logging
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import threading
@@ -129,6 +131,25 @@ def _insecure(st: os.stat_result) -> str | None:
         # A hard link made elsewhere (by whoever could write there) into our directory.
         return f"has {st.st_nlink} hard links"
     return None
+
+
+#: This host in temp names (a digest: host names may hold any character), so that a sweep
+#: judges by PID only the temp files written on this host.
+_HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+def _temp_prefix() -> str:
+    return f"{TEMP_PREFIX}{_HOST}-{os.getpid()}-"
+
+
+def _temp_writer(name: str) -> tuple[str | None, int | None]:
+    """(host digest, pid) of a temp file's writer; host ``None`` for an unknown layout."""
+    parts = name[len(TEMP_PREFIX) :].split("-")
+    if len(parts) >= 3 and len(parts[0]) == 8 and parts[1].isdigit():
+        return parts[0], int(parts[1])
+    if parts and parts[0].isdigit():  # written before host digests: treat as this host's
+        return _HOST, int(parts[0])
+    return None, None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -424,7 +445,7 @@ class Store:
 
     @staticmethod
     def _write_atomic(directory: Path, target: Path, data: bytes, write_hook: Any) -> None:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{TEMP_PREFIX}{os.getpid()}-", suffix=TEMP_SUFFIX)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=_temp_prefix(), suffix=TEMP_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:  # owns fd from here: closed on any error
                 if write_hook is not None:
@@ -500,12 +521,13 @@ class Store:
         now = time.time()
         for p, name in self._files():
             if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
-                pid_text = name[len(TEMP_PREFIX) :].split("-", 1)[0]
+                host, pid = _temp_writer(name)
                 try:
                     age = now - os.lstat(p).st_mtime
                 except OSError:
                     continue
-                alive = pid_text.isdigit() and _pid_alive(int(pid_text))
+                # Another host's writer (a shared directory): our PIDs say nothing of it.
+                alive = (pid is not None and _pid_alive(pid)) if host == _HOST else True
                 if not alive or age > TEMP_MAX_AGE:
                     temps.append(p)
             elif name.endswith(LOCK_SUFFIX) and _unheld(p, remove=remove_locks):
