@@ -147,3 +147,20 @@ def test_default_cache_step_shortcut(cl_ctx):
         prg = acc.Program(cl_ctx, small_source()).build()
     assert step.cache is acc.default_cache()
     assert step.misses == 1 and run_twice(cl_ctx, prg)
+
+
+def test_refresh_matches_by_program_not_kernel_name(cl_ctx, cache_dir):
+    # Issue 12: 12 programs whose kernel is named `k` cost 78 helper requests at flush.
+    cache = acc.Cache(cache_dir, strategy="process")
+    prgs = [cache.program(cl_ctx, small_source(name="k", salt=f"same-name-{i}", repeat=i + 1)).build()
+            for i in range(12)]
+    assert cache.flush(300)
+    for p in prgs:  # a launch, then a flush: only that program gained a variant
+        assert run_twice(cl_ctx, p, name="k", local_size=(4,))
+        assert cache.flush(300)
+    assert cache.flush(300)
+    driver = cache._drivers["process"]
+    # One snapshot each, plus one refresh each for the variant its launch compiled.
+    assert driver.requests == 24, driver.requests
+    assert cache.stats().refreshes == 12
+    cache.close()

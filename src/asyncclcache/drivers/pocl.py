@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO
 
 from . import _wire
@@ -68,6 +69,40 @@ def newest_variants() -> dict[str, float] | None:
                                 newest[kernel.name] = t
     except OSError:
         return None
+    return newest
+
+
+def _find_folders(root: Path, jobs: Sequence[Job]) -> None:
+    """pocl's folder of each job's program, found as strategy kcache finds it (the folder
+    pocl touched in the main process's build window, looked at before the helper builds the
+    program and touches it again); one walk for all that lack one. ``()``: not found, then
+    refreshes match kernel names (the older, coarser rule)."""
+    from .kcache import candidates, choose
+
+    todo = [j for j in jobs if j.folders is None and j.built_to]
+    if not todo:
+        return
+    windows = [(j.built_from, j.built_to) for j in todo]
+    found = candidates(root, windows, new_only=True)  # cheap: new folders only
+    if not all(found):
+        found = candidates(root, windows)
+    for job, cands in zip(todo, found, strict=True):
+        job.folders = choose(root, cands, job.built_to, job.kernels)
+
+
+def _newest_variant(root: Path, folders: Sequence[str]) -> float:
+    newest = 0.0
+    for folder in folders:
+        try:
+            for kernel in os.scandir(root / folder):
+                if not kernel.is_dir(follow_symlinks=False):
+                    continue
+                for variant in os.scandir(kernel.path):
+                    # "0-0-0..." is the generic variant: the helper's own query makes it.
+                    if variant.is_dir(follow_symlinks=False) and not variant.name.startswith("0-0-0"):
+                        newest = max(newest, variant.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            return float("inf")  # gone or unreadable: ask the helper
     return newest
 
 
@@ -186,6 +221,11 @@ class HelperDriver(Driver):
                 raise HelperError("helper process keeps failing; giving up for this process")
             self.attempts += 1
             proc = self._proc = self._spawn()
+        root = kernel_cache_dir()
+        if root is not None:
+            # Before the helper builds it too (and touches its folder again): which folder
+            # is this program's, so that refreshes look at its variants alone.
+            _find_folders(root, [job])
         req: IO[bytes] = self._req  # type: ignore[assignment]
         ans: IO[bytes] = self._ans  # type: ignore[assignment]
         try:
@@ -237,20 +277,28 @@ class HelperDriver(Driver):
     # }}}
 
     def stale(self, jobs: Sequence[Job]) -> list[Job]:
-        if kernel_cache_dir() is None:
+        root = kernel_cache_dir()
+        if root is None:
             # pocl's cache off: the helper's binary holds the generic variant only, and a
             # new query could not add the parent's variants: nothing to refresh, ever.
             return []
-        newest = newest_variants()
+        _find_folders(root, jobs)
+        newest = None
         out = []
         for job in jobs:
-            if newest is not None and job.kernels:
-                # The driver stamps when its last query answered (pocl packs at the end):
-                # variants older than that are in the entry already.
-                latest = max(newest.get(k, 0.0) for k in job.kernels)
-                if latest < job.queried_at:
-                    continue  # nothing new since the snapshot: skip the helper round trip
-            out.append(job)
+            if job.folders:
+                # Per program: only its own folder's variants count.
+                latest = _newest_variant(root, job.folders)
+            elif job.kernels:
+                if newest is None:
+                    newest = newest_variants() or {}
+                latest = max(newest.get(k, 0.0) for k in job.kernels) if newest else float("inf")
+            else:
+                latest = float("inf")
+            # The driver stamps when its last query answered (pocl packs at the end):
+            # variants older than that are in the entry already.
+            if latest >= job.queried_at:
+                out.append(job)
         return out
 
     def close(self, timeout: float | None = None) -> None:
