@@ -166,22 +166,31 @@ def candidates(
 
 
 def choose(
-    root: Path, found: Sequence[tuple[str, float]], built_to: float, kernels: Sequence[str]
+    root: Path,
+    found: Sequence[tuple[str, float]],
+    built_to: float,
+    kernels: Sequence[str],
+    built_from: float | None = None,
 ) -> tuple[str, ...]:
     """Narrow a build's candidate folders to the few that can be its own; ``()`` if none or
     too many are left (then nothing is stored).
 
     * A launch makes ``<kernel>/`` folders: a folder with kernels the program lacks is
-      another program's. (One with the same names may be either: timing decides.)
+      another program's. Where some folders gained a variant since ``built_from`` (our
+      launches did that), the others are not ours. (Same names: timing decides.)
     * pocl touches ``last_accessed`` as the build returns: touches much earlier than the
       end of our build belong to builds that ran meanwhile.
     """
     names = set(kernels)
     pool = []
+    launched = []
     for f, m in found:
         dirs = _kernel_dirs(root, f)
         if dirs is not None and dirs <= names:
             pool.append((f, m))
+            if built_from is not None and any(_new_variant(root / f / k, k, built_from) for k in dirs):
+                launched.append((f, m))
+    pool = launched or pool
     if not pool:
         return ()
     if all(m <= built_to + SLACK for _, m in pool):
@@ -476,7 +485,9 @@ class KcacheDriver(Driver):
                 try:
                     if job.candidates is not None:
                         # Again at every snapshot: launches since narrow the choice.
-                        job.folders = choose(self.root, job.candidates, job.built_to, job.kernels)
+                        job.folders = choose(
+                            self.root, job.candidates, job.built_to, job.kernels, job.built_from
+                        )
                         if not job.folders and not job.scanned_all:
                             # Only others' new folders: ours is an older one. Look at all.
                             job.candidates = None

@@ -87,7 +87,7 @@ def _find_folders(root: Path, jobs: Sequence[Job]) -> None:
     if not all(found):
         found = candidates(root, windows)
     for job, cands in zip(todo, found, strict=True):
-        job.folders = choose(root, cands, job.built_to, job.kernels)
+        job.folders = choose(root, cands, job.built_to, job.kernels, job.built_from)
 
 
 def _newest_variant(root: Path, folders: Sequence[str]) -> float:
