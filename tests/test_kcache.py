@@ -354,3 +354,21 @@ print(json.dumps({"flushed": flushed, "stats": cache.stats().as_dict(),
     out = child_json(run_child(code, str(cache_dir), env={"POCL_KERNEL_CACHE": "0"}))
     assert out["flushed"] == [True] * 3
     assert (out["stats"]["writes"], out["stats"]["refreshes"], out["requests"]) == (3, 0, 3)
+
+
+def test_restore_failure_keeps_the_entry(cache_dir, tmp_path):
+    # Our I/O failing at a hit (here: a link planted in pocl's cache, which restore refuses)
+    # is a plain miss; the good entry is not blamed, dropped or counted as rejected.
+    first = child_json(run_child(RUN, str(cache_dir), "restore-fails"))
+    entry = Store(cache_dir).load(first["key"])
+    assert entry is not None
+    top = entry.meta["files"][0].split("/")[0]
+    node, elsewhere = tmp_path / "node", tmp_path / "elsewhere"
+    node.mkdir()
+    elsewhere.mkdir()
+    (node / top).symlink_to(elsewhere)
+    out = child_json(run_child(RUN, str(cache_dir), "restore-fails", pocl_cache=node))
+    assert out["ok"]
+    s = out["stats"]
+    assert (s["hits"], s["misses"], s["rejected"]) == (0, 1, 0)
+    assert Store(cache_dir).load(first["key"]) is not None

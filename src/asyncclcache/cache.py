@@ -172,6 +172,7 @@ class Cache:
         self._errors: list[BaseException] = []
         self._steps: list[Step] = []
         self._drivers: dict[str, Driver] = {}
+        self._driver_by_devices: dict[tuple[int, ...], Driver] = {}
         self._nworkers = max(1, workers)
         self._workers = self._new_workers()
         self._closed = False
@@ -201,6 +202,7 @@ class Cache:
         self._errors = []
         self._steps = []
         self._drivers = {}
+        self._driver_by_devices = {}
         self._workers = self._new_workers()
 
     # {{{ public API
@@ -368,6 +370,13 @@ class Cache:
 
     def driver_for(self, devices: Sequence[cl.Device]) -> Driver:
         """The driver that handles builds for ``devices`` (created on first use). Thread-safe."""
+        # Every build asks: the strategy is resolved once per device set (pocl, too, reads
+        # its environment once per process).
+        ids = tuple(d.int_ptr for d in devices)
+        with self._lock:
+            d = self._driver_by_devices.get(ids)
+        if d is not None:
+            return d
         name = resolve_strategy(self.strategy, devices)
         with self._lock:
             d = self._drivers.get(name)
@@ -375,6 +384,7 @@ class Cache:
                 d = make_driver(name, self._workers)
                 d.on_cpu = lambda s: self._count("background_cpu_seconds", s)
                 self._drivers[name] = d
+            self._driver_by_devices[ids] = d
             return d
 
     def _schedule(

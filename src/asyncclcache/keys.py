@@ -135,8 +135,10 @@ def code_settings(devices: Sequence[cl.Device]) -> dict[str, str]:
     """
     import pyopencl as cl
 
+    from .drivers import POCL_PLATFORM_NAME
+
     out: dict[str, str] = {}
-    if any("Portable Computing Language" in d.platform.name for d in devices):
+    if any(d.platform.name == POCL_PLATFORM_NAME for d in devices):
         out.update({k: v for k, v in os.environ.items()
                     if k.startswith("POCL_") and k not in POCL_NOT_CODE})
     if any(d.type & cl.device_type.CPU for d in devices):
@@ -153,16 +155,13 @@ def host_cpu_features() -> str:
             text = f.read()
     except OSError:
         return "unknown"
-    keep = []
+    # The same for every core: one core's lines (the first time each key is seen).
+    seen: dict[bytes, bytes] = {}
     for line in text.splitlines():
         key = line.split(b":", 1)[0].strip()
         if key in (b"flags", b"Features", b"model name", b"vendor_id", b"CPU implementer",
                    b"CPU part", b"isa"):
-            keep.append(line.strip())
-    # The same for every core: one core's lines (the first time each key is seen).
-    seen: dict[bytes, bytes] = {}
-    for line in keep:
-        seen.setdefault(line.split(b":", 1)[0].strip(), line)
+            seen.setdefault(key, line.strip())
     blob = b"\n".join(sorted(seen.values()))
     return hashlib.sha256(blob).hexdigest()[:32] if blob else "unknown"
 

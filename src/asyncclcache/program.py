@@ -121,6 +121,10 @@ def _from_entry(
         if driver.watches_hits:
             cache._watch(info, source, devs, entry, result.folders)
         return result.program, True, "cache retrieval", duration
+    if result.program is not None and not result.blame_entry:
+        # Our I/O failed (logged by the driver), not the entry: keep it; a plain miss.
+        _after_miss(cache, result.program, info, source, devs, looked_up_at, duration, built_from, time.time())
+        return result.program, False, "source build (stored entry could not be used here)", duration
     what = "binary" if entry.kind == "binary" else "kernel-cache files"
     warnings.warn(
         f"asyncclcache: the driver rejected the stored {what} {info.key[:12]} "

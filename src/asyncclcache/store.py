@@ -401,7 +401,7 @@ class Store:
         The lock is an ``flock``: a killed holder's claim expires with it. Pass the
         claim to :meth:`publish` and release it when done. Thread-safe.
         """
-        if not self.enabled or self.read_only:
+        if not self.writable:
             return None
         directory = self._fanout(key)
         self._make_dirs(directory)
@@ -428,7 +428,7 @@ class Store:
         called with the temp path before the data is written (tests widen the
         window with it).
         """
-        if not self.enabled or self.read_only:
+        if not self.writable:
             return PublishResult.DISABLED
         own = claim is None
         if claim is None:

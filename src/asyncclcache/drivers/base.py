@@ -104,13 +104,16 @@ class Hit:
     ``program`` is the built program, or ``None`` when the driver rejected the entry
     before building (then the caller builds from source). ``used`` is False when a
     program was built but the entry's content was not what the driver used (kcache: pocl
-    computed another folder); ``why`` says why not.
+    computed another folder); ``why`` says why not. ``blame_entry`` is False when our own
+    I/O failed, not the entry (kcache: pocl's cache could not be written): then the entry
+    is kept and the build counts as a plain miss.
     """
 
     program: Any
     used: bool
     why: str = ""
     folders: tuple[str, ...] = ()
+    blame_entry: bool = True
 
 
 class Driver(ABC):

@@ -47,6 +47,7 @@ __all__ = [
     "KcacheDriver",
     "candidates",
     "choose",
+    "find_folders",
     "folder_files",
     "kernel_cache_dir",
     "restore",
@@ -71,7 +72,9 @@ POLL_SECONDS = 0.2
 #: At most one walk of every folder of pocl's cache this often (a large cache: many stats).
 FULL_SCAN_SECONDS = 1.0
 
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC
 # pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
 _FOLDER_RE = (re.compile(r"[A-Za-z0-9]{2}"), re.compile(r"[A-Za-z0-9]{8,128}"))
 # A kernel name, a variant (``64-1-1-goffs0-smallgrid``) or a file; never ``.``/``..``.
@@ -199,6 +202,22 @@ def choose(
     return tuple(sorted(f for f, _ in pool)) if len(pool) <= MAX_CANDIDATES else ()
 
 
+def find_folders(root: Path, jobs: Sequence[Job]) -> None:
+    """Set ``job.folders`` for the jobs that lack one, now, in this thread: new folders
+    first, a walk of every folder only if some job found none; then :func:`choose`.
+    ``()``: not found. (The kcache driver does the same in its thread, batched and with the
+    full walks throttled; the helper driver needs it before the helper touches a folder.)"""
+    todo = [j for j in jobs if j.folders is None and j.built_to]
+    if not todo:
+        return
+    windows = [(j.built_from, j.built_to) for j in todo]
+    found = candidates(root, windows, new_only=True)
+    if not all(found):
+        found = candidates(root, windows)
+    for job, cands in zip(todo, found, strict=True):
+        job.folders = choose(root, cands, job.built_to, job.kernels, job.built_from)
+
+
 def _walk(root: Path, folder: str) -> Iterator[tuple[str, str]]:
     """``(relative path, absolute path)`` of the folder's regular files, no links followed."""
     stack = [folder]
@@ -255,10 +274,9 @@ def folder_files(root: Path, folders: Sequence[str]) -> Snapshot:
     kept: list[str] = []
     for folder in folders:
         try:
-            found = [(rel, path) for rel, path in _walk(root, folder)]
             data = []
-            for rel, path in found:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            for rel, path in list(_walk(root, folder)):
+                fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
                 with os.fdopen(fd, "rb") as f:
                     data.append((rel, f.read()))
         except OSError:
@@ -291,7 +309,7 @@ def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> int:
     below ``root`` is followed. Raises ``OSError`` (the caller builds from source).
     """
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
     dirs: dict[str, int] = {"": rootfd}
     written = 0
     try:
@@ -320,7 +338,7 @@ def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> int:
 
 def _place(dfd: int, name: str, blob: bytes) -> int:
     tmp = TMP_PREFIX + secrets.token_hex(8)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -438,7 +456,7 @@ class KcacheDriver(Driver):
         except (OSError, ValueError) as e:
             # Our I/O failed, not the entry: build from source without restoring.
             logger.warning("asyncclcache: could not restore pocl's kernel cache: %s", e)
-            return Hit(build_source(), False, f"restore failed: {e}", ())
+            return Hit(build_source(), False, f"restore failed: {e}", (), blame_entry=False)
         program = build_source()
         # Devices of one kind share a folder, so one touched folder may serve them all.
         used = touched(self.root, folders, since)

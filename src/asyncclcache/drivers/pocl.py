@@ -24,7 +24,7 @@ from typing import IO
 
 from . import _wire
 from .base import Done, Driver, Dropped, Job, Purpose, Snapshot
-from .kcache import kernel_cache_dir
+from .kcache import find_folders, kernel_cache_dir
 
 __all__ = ["HelperDriver", "HelperError", "newest_variants"]
 
@@ -58,49 +58,32 @@ def newest_variants() -> dict[str, float] | None:
             for program in os.scandir(prefix.path):
                 if not program.is_dir(follow_symlinks=False):
                     continue
-                for kernel in os.scandir(program.path):
-                    if not kernel.is_dir(follow_symlinks=False):
-                        continue
-                    for variant in os.scandir(kernel.path):
-                        # "0-0-0..." is the generic variant: the helper's own query makes it.
-                        if variant.is_dir(follow_symlinks=False) and not variant.name.startswith("0-0-0"):
-                            t = variant.stat(follow_symlinks=False).st_mtime
-                            if t > newest.get(kernel.name, 0.0):
-                                newest[kernel.name] = t
+                for kernel, t in _variant_times(program.path):
+                    if t > newest.get(kernel, 0.0):
+                        newest[kernel] = t
     except OSError:
         return None
     return newest
 
 
-def _find_folders(root: Path, jobs: Sequence[Job]) -> None:
-    """pocl's folder of each job's program, found as strategy kcache finds it (the folder
-    pocl touched in the main process's build window, looked at before the helper builds the
-    program and touches it again); one walk for all that lack one. ``()``: not found, then
-    refreshes match kernel names (the older, coarser rule)."""
-    from .kcache import candidates, choose
-
-    todo = [j for j in jobs if j.folders is None and j.built_to]
-    if not todo:
-        return
-    windows = [(j.built_from, j.built_to) for j in todo]
-    found = candidates(root, windows, new_only=True)  # cheap: new folders only
-    if not all(found):
-        found = candidates(root, windows)
-    for job, cands in zip(todo, found, strict=True):
-        job.folders = choose(root, cands, job.built_to, job.kernels, job.built_from)
+def _variant_times(program_dir: str | Path) -> list[tuple[str, float]]:
+    """``(kernel, mtime)`` of each compiled variant in one program folder of pocl's cache,
+    except the generic ``0-0-0...`` one (the helper's own query makes that). Raises OSError."""
+    out = []
+    for kernel in os.scandir(program_dir):
+        if not kernel.is_dir(follow_symlinks=False):
+            continue
+        for variant in os.scandir(kernel.path):
+            if variant.is_dir(follow_symlinks=False) and not variant.name.startswith("0-0-0"):
+                out.append((kernel.name, variant.stat(follow_symlinks=False).st_mtime))
+    return out
 
 
 def _newest_variant(root: Path, folders: Sequence[str]) -> float:
     newest = 0.0
     for folder in folders:
         try:
-            for kernel in os.scandir(root / folder):
-                if not kernel.is_dir(follow_symlinks=False):
-                    continue
-                for variant in os.scandir(kernel.path):
-                    # "0-0-0..." is the generic variant: the helper's own query makes it.
-                    if variant.is_dir(follow_symlinks=False) and not variant.name.startswith("0-0-0"):
-                        newest = max(newest, variant.stat(follow_symlinks=False).st_mtime)
+            newest = max([newest] + [t for _, t in _variant_times(root / folder)])
         except OSError:
             return float("inf")  # gone or unreadable: ask the helper
     return newest
@@ -225,7 +208,7 @@ class HelperDriver(Driver):
         if root is not None:
             # Before the helper builds it too (and touches its folder again): which folder
             # is this program's, so that refreshes look at its variants alone.
-            _find_folders(root, [job])
+            find_folders(root, [job])
         req: IO[bytes] = self._req  # type: ignore[assignment]
         ans: IO[bytes] = self._ans  # type: ignore[assignment]
         try:
@@ -282,7 +265,8 @@ class HelperDriver(Driver):
             # pocl's cache off: the helper's binary holds the generic variant only, and a
             # new query could not add the parent's variants: nothing to refresh, ever.
             return []
-        _find_folders(root, jobs)
+        # Each job's folder was looked up before its first request (``_request``); a lookup
+        # now would see the helper's own touches, so none is made here.
         newest = None
         out = []
         for job in jobs:
