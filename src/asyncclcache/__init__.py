@@ -7,12 +7,20 @@
     acc.install()                              # or: every pyopencl.Program in the process
     with acc.step():                           # snapshot binaries after a simulation step
         run_one_time_step()
+
+No code change: ``python -m asyncclcache run driver.py`` or ``ASYNCCLCACHE_INSTALL=1``.
+
+The names below are imported on first use (PEP 562), so ``import asyncclcache`` (which
+the start-up hook does in every process that sets ``ASYNCCLCACHE_INSTALL=1``) loads
+neither pyopencl nor the cache machinery until a program needs them.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .cache import Cache, Stats, Step, default_cache, step
 from .errors import (
     AsyncCLCacheError,
     AsyncCLCacheWarning,
@@ -25,7 +33,37 @@ from .errors import (
     InsecureCacheWarning,
     WriteFailedWarning,
 )
-from .program import Program, install, installed, is_installed, uninstall
+
+if TYPE_CHECKING:
+    from .cache import Cache, Stats, Step, default_cache, step
+    from .program import Program, install, installed, is_installed, uninstall
+
+_LAZY = {
+    "Cache": "cache",
+    "Stats": "cache",
+    "Step": "cache",
+    "default_cache": "cache",
+    "step": "cache",
+    "Program": "program",
+    "install": "program",
+    "installed": "program",
+    "is_installed": "program",
+    "uninstall": "program",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncclcache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AsyncCLCacheError",

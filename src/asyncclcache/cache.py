@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .keys import KeyInfo
     from .program import Program
 
-__all__ = ["Cache", "Stats", "Step", "default_cache", "step"]
+__all__ = ["Cache", "Stats", "Step", "close_all", "default_cache", "step"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +71,35 @@ class Stats:
     main_thread_seconds: float = 0.0  # time the cache spent in callers' threads
     background_cpu_seconds: float = 0.0  # CPU time of the cache's own threads (not a helper's)
 
-    def line(self) -> str:
-        """One line for a log or for rank 0 to print for the whole job."""
-        return (
-            f"asyncclcache: {self.hits} hits, {self.misses} misses, {self.writes} writes "
-            f"({self.bytes_written / 1e6:.1f} MB), {self.warmups} warm-ups, {self.skipped} skipped, "
-            f"{self.errors} errors, {self.pending} pending"
+    def line(self, label: str = "asyncclcache") -> str:
+        """One line, as ``ccache -s`` would say it: for a log, or the job's exit summary.
+
+        Counters that are usually zero (errors, skipped, rejected, ...) appear when not.
+        """
+        text = (
+            f"{label}: {self.hits} hits, {self.misses} misses, {self.writes} writes "
+            f"({self.bytes_written / 1e6:.1f} MB), {self.seconds_saved:.1f} s saved, "
+            f"{self.pending} pending"
         )
+        extra = [
+            f"{getattr(self, name)} {name.replace('_', ' ')}"
+            for name in ("warmups", "refreshes", "skipped", "rejected", "uncacheable",
+                         "unidentified", "write_errors", "errors")
+            if getattr(self, name)
+        ]
+        return text + (f" ({', '.join(extra)})" if extra else "")
+
+    @classmethod
+    def from_values(cls, values: dict[str, float]) -> Stats:
+        """From field name -> number (counts rounded to int), e.g. summed over ranks."""
+        ints = {f.name for f in fields(cls) if f.type in ("int", int)}
+        return cls(**{k: (round(v) if k in ints else float(v)) for k, v in values.items()})
+
+    def __add__(self, other: Stats) -> Stats:
+        """Counters summed (over caches, processes or ranks)."""
+        if not isinstance(other, Stats):
+            return NotImplemented
+        return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def as_dict(self) -> dict[str, float]:
         """The counters as a plain dict (stable field names, for JSON)."""
@@ -111,6 +133,8 @@ class Step:
 
 
 _CACHES: weakref.WeakSet[Cache] = weakref.WeakSet()
+#: (directory, final counters) of every cache this process closed.
+_CLOSED: list[tuple[str, Stats]] = []
 
 
 class Cache:
@@ -178,6 +202,10 @@ class Cache:
         self._closed = False
         self._swept = False
         _CACHES.add(self)
+        if cfg.stats:
+            from . import summary
+
+            summary.register()
 
     def __repr__(self) -> str:
         return f"Cache({str(self.store.root)!r}, strategy={self.strategy!r})"
@@ -235,8 +263,7 @@ class Cache:
             total = np.empty_like(mine)
             comm.Allreduce(mine, total, op=MPI.SUM)
             counts = dict(zip(names, total.tolist(), strict=True))
-        ints = {f.name for f in fields(Stats) if f.type in ("int", int)}
-        return Stats(**{k: (int(v) if k in ints else float(v)) for k, v in counts.items()})
+        return Stats.from_values(counts)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until background work is done; True when nothing is pending any more.
@@ -287,6 +314,7 @@ class Cache:
             d.close(1.0)
         self._workers.stop(1.0)
         self._save_lifetime()
+        _CLOSED.append((self.directory, self.stats()))
         if not done:
             logger.info("asyncclcache: exit with %d jobs pending: dropped", self._pending)
         return done
@@ -709,6 +737,7 @@ def step(*, wait: bool = False) -> Any:
 def _after_fork_in_child() -> None:
     global _default_lock
     _default_lock = threading.Lock()
+    _CLOSED.clear()  # the parent's, reported by the parent
     for cache in list(_CACHES):
         cache._after_fork_in_child()
 
@@ -717,11 +746,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-@atexit.register
-def _close_all() -> None:
-    # Bounded: each cache waits at most its exit timeout, then drops what is left.
+def close_all() -> list[tuple[str, Stats]]:
+    """Close every cache of this process (each waits at most its exit timeout, then drops
+    what is left); returns ``(directory, counters)`` of every cache it ever closed.
+    Runs at interpreter exit. Thread-safe; never raises."""
     for cache in list(_CACHES):
         try:
             cache.close()
         except Exception:  # never fail interpreter exit
             logger.exception("asyncclcache: error at exit")
+    return list(_CLOSED)
+
+
+atexit.register(close_all)

@@ -1,11 +1,13 @@
 """The ``asyncclcache`` command (also ``python -m asyncclcache``).
 
-Commands: ``info``, ``list``, ``verify``, ``prune``, ``clear``, ``stats`` (and ``bench``).
-Every command takes ``--dir`` and ``--json``. Human output fits 80 columns; the JSON
-keys are stable. The command never creates a cache directory.
+Commands: ``info``, ``list``, ``verify``, ``prune``, ``clear``, ``stats``, ``export``,
+``import``; ``run`` (:mod:`.runner`) and ``bench``. Every maintenance command takes
+``--dir`` and ``--json``. Human output fits 80 columns; the JSON keys are stable. Only
+``import`` creates a cache directory.
 
-Exit codes: 0 success; 1 ``verify`` found bad entries; 2 usage error, or a cache
-directory that is missing, foreign or unusable.
+Exit codes: 0 success; 1 ``verify`` found bad entries, or ``import`` refused an archive;
+2 usage error, or a cache directory that is missing, foreign or unusable. ``run``
+exits with the program's status.
 """
 
 from __future__ import annotations
@@ -73,19 +75,10 @@ def _stores(args: argparse.Namespace) -> list[Any]:
     A missing (or empty) directory is an empty cache; a regular file, a directory of
     something else, or one that is not safe to load native code from is a usage error.
     """
-    from .keys import FORMAT_VERSION
-    from .store import Store, _insecure
+    from .store import Store
 
     base = _base(args)
-    version_dir = base / f"v{FORMAT_VERSION}"
-    if base.exists():
-        if not base.is_dir():
-            raise UsageError(f"cannot use cache directory {base}: not a directory")
-        why = _insecure(base.stat())
-        if why is not None:
-            raise UsageError(f"cannot use cache directory {base}: it is {why}")
-        if not version_dir.is_dir() and any(base.iterdir()):
-            raise UsageError(f"{base} is not an asyncclcache cache (no v{FORMAT_VERSION}/ inside)")
+    version_dir = _check_base(base)
     if not version_dir.is_dir():
         return []
     stores = [Store(base, rank_local=False, create=False)]
@@ -97,6 +90,23 @@ def _stores(args: argparse.Namespace) -> list[Any]:
         if not s.enabled:
             raise UsageError(f"cannot use cache directory {s.root}: {s.problem}")
     return stores
+
+
+def _check_base(base: Path) -> Path:
+    """``base/v<N>``; a usage error if ``base`` exists and is not a cache directory we may use."""
+    from .keys import FORMAT_VERSION
+    from .store import _insecure
+
+    version_dir = base / f"v{FORMAT_VERSION}"
+    if base.exists():
+        if not base.is_dir():
+            raise UsageError(f"cannot use cache directory {base}: not a directory")
+        why = _insecure(base.stat())
+        if why is not None:
+            raise UsageError(f"cannot use cache directory {base}: it is {why}")
+        if not version_dir.is_dir() and any(base.iterdir()):
+            raise UsageError(f"{base} is not an asyncclcache cache (no v{FORMAT_VERSION}/ inside)")
+    return version_dir
 
 
 def _base(args: argparse.Namespace) -> Path:
@@ -315,6 +325,47 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .archive import ArchiveError, export_archive
+
+    stores = _stores(args)
+    if args.rank is not None:
+        stores = [s for s in stores if s.rank_local and s.rank == args.rank]
+        if not stores:
+            raise UsageError(f"no directory for rank {args.rank} under {_base(args)}")
+    elif args.shared:
+        stores = [s for s in stores if not s.rank_local]
+    try:
+        r = export_archive(stores, args.file, device=args.device)
+    except ArchiveError as e:
+        raise UsageError(str(e)) from None
+    human = [f"exported {r.entries} entries ({_human(r.bytes)}) to {args.file}"]
+    if r.damaged:
+        human.append(f"left out {len(r.damaged)} damaged entries (asyncclcache verify --fix removes them)")
+        human += [f"  damaged  {d}" for d in r.damaged]
+    _emit(args, {"file": str(args.file), "entries": r.entries, "bytes": r.bytes, "damaged": r.damaged}, human)
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .archive import ArchiveError, import_archive
+
+    _check_base(_base(args))
+    try:
+        r = import_archive(_base(args), args.file)
+    except ArchiveError as e:
+        print(f"asyncclcache: refusing {e}; nothing was imported", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    human = [f"imported {r.imported} entries ({r.added} added, {r.replaced} replaced, {r.kept} kept)"
+             + (f"; {r.busy} being written by another process" if r.busy else "")]
+    if r.ignored:
+        human.append(f"ignored {r.ignored} lock, temp and counter files")
+    human += [f"  not replaced (unsafe)  {u}" for u in r.unsafe]
+    _emit(args, {"file": str(args.file), "added": r.added, "replaced": r.replaced, "kept": r.kept,
+                 "busy": r.busy, "ignored": r.ignored, "unsafe": r.unsafe}, human)
+    return EXIT_OK
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     return bench(args.bench_args)
 
@@ -343,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncclcache",
         description="Inspect and maintain the asyncclcache binary cache.",
-        epilog="Exit codes: 0 ok, 1 verify found bad entries, 2 usage error or a missing, "
-        "foreign or unusable cache directory.",
+        epilog="Exit codes: 0 ok, 1 verify found bad entries or import refused an archive, "
+        "2 usage error or a missing, foreign or unusable cache directory; run: the program's.",
     )
     parser.add_argument("--version", action="version", version=f"asyncclcache {__version__}")
     common = argparse.ArgumentParser(add_help=False)
@@ -375,6 +426,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", parents=[common], help="lifetime counters of the directory")
     p.add_argument("--reset", action="store_true", help="zero them")
     p.set_defaults(func=cmd_stats)
+    p = sub.add_parser("export", parents=[common], help="pack the cache into one tar archive")
+    p.add_argument("file", type=Path, help="archive to write: .tar, .tar.gz/.tgz, .tar.xz, .tar.bz2")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, help="only this MPI rank's directory")
+    which.add_argument("--shared", action="store_true", help="only the shared (not rank-local) directory")
+    p.add_argument("--device", help="only entries for devices whose name contains this")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("import", parents=[common],
+                       help="merge an archive into the cache (checked first; exit 1 if refused)")
+    p.add_argument("file", type=Path, help="archive made by export")
+    p.set_defaults(func=cmd_import)
     p = sub.add_parser(
         "bench",
         add_help=False,
@@ -383,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
+    # Parsed by runner.main (listed here for --help): options end where the program begins.
+    sub.add_parser(
+        "run", add_help=False,
+        help="run a program with every pyopencl build cached: run [--dir D] [--strategy S] "
+        "[--stats] script.py|-m MODULE|-- COMMAND [ARGS...]",
+    )
     return parser
 
 
@@ -390,6 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncclcache`` command; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv[:1] == ["run"]:  # everything after the options is the program's own
+        from . import runner
+
+        return runner.main(argv[1:])
     if argv[:1] == ["bench"]:  # every option belongs to the benchmark's own parser
         try:
             return bench(argv[1:])

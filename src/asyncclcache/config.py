@@ -9,6 +9,8 @@
 ``ASYNCCLCACHE_FAILURE_FATAL``  ``1``: background failures raise in ``flush()``
 ``ASYNCCLCACHE_EXIT_TIMEOUT``   seconds to wait for pending work at exit (default 5)
 ``ASYNCCLCACHE_MAX_SIZE``       size bound of the directory, e.g. ``500M``
+``ASYNCCLCACHE_INSTALL``        ``1``: ``install()`` at interpreter start-up (:mod:`._startup`)
+``ASYNCCLCACHE_STATS``          ``1``: one summary line at exit (:mod:`.summary`)
 =============================== ===================================================
 """
 
@@ -70,6 +72,8 @@ class Config:
     failure_fatal: bool = False
     exit_timeout: float = 5.0
     max_size: int | None = None
+    install: bool = False
+    stats: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str] | None = None) -> Config:
@@ -108,6 +112,8 @@ class Config:
             ),
             exit_timeout=exit_timeout,
             max_size=max_size,
+            install=bool(parse_bool(e.get("ASYNCCLCACHE_INSTALL"), name="ASYNCCLCACHE_INSTALL")),
+            stats=bool(parse_bool(e.get("ASYNCCLCACHE_STATS"), name="ASYNCCLCACHE_STATS")),
         )
 
 

@@ -53,7 +53,10 @@ if TYPE_CHECKING:
 # at import: it pulls in asyncio and costs 7 ms here, 80 ms on a cold bytecode cache,
 # which a warm start (about 40 ms in all) should not pay.
 
-__all__ = ["ENTRY_SUFFIX", "Claim", "PruneResult", "PublishResult", "Store", "StoredEntry", "default_directory"]
+__all__ = [
+    "ENTRY_SUFFIX", "Claim", "PruneResult", "PublishResult", "ReadResult", "Store", "StoredEntry",
+    "check_data", "default_directory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,32 @@ class PruneResult:
 
 def _nofollow_opener(path: str, flags: int) -> int:
     return os.open(path, flags | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """What :meth:`Store.read` found: an ``entry`` (and its bytes ``data``), nothing
+    (both ``None``, no ``problem``: a miss), or a ``problem``. ``insecure``: the problem
+    is a link or another user's file, not ours to delete."""
+
+    path: Path
+    entry: Entry | None = None
+    problem: str | None = None
+    insecure: bool = False
+    stat: os.stat_result | None = None
+    data: bytes | None = None
+
+
+def check_data(key: str, data: bytes) -> Entry:
+    """Decode and check the bytes of the entry for ``key``: format, checksum, metadata,
+    key, and that every stored path is a plain name. Raises :class:`EntryFormatError`."""
+    entry = decode(data)
+    if entry.key != key:
+        raise EntryFormatError("holds another key")
+    problem = layout_problem(entry)
+    if problem is not None:
+        raise EntryFormatError(problem)
+    return entry
 
 
 class PublishResult(enum.Enum):
@@ -292,71 +321,66 @@ class Store:
         A damaged, truncated or foreign entry warns once (:class:`CorruptEntryWarning`),
         is removed, and is a miss. Never raises for the file's content.
         """
-        if not self.enabled:
+        r = self.read(key)
+        if r.problem is not None:
+            self._reject(r.path, r.problem, r.stat, insecure=r.insecure)
             return None
+        if r.entry is not None and devices is not None and list(r.entry.meta.get("devices", ())) != list(devices):
+            self._reject(r.path, "was built for another device", r.stat)
+            return None
+        return r.entry
+
+    def read(self, key: str) -> ReadResult:
+        """Read and fully check the entry for ``key`` (format, checksum, key, paths,
+        ownership, links), changing nothing: what :meth:`load`, :meth:`verify` and
+        ``import`` act on. Never raises for the file's content. Thread-safe."""
         path = self.path_for(key)
+        if not self.enabled:
+            return ReadResult(path)
         try:
             # Neither the fan-out directory nor the entry may be a link.
             dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
         except OSError as e:
             # O_DIRECTORY | O_NOFOLLOW on a link fails with ENOTDIR (or ELOOP): tell apart.
             if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.parent.is_symlink():
-                self._reject(path.parent, "is a symbolic link", None, insecure=True)
+                return ReadResult(path.parent, problem="is a symbolic link", insecure=True)
             # Otherwise missing or blocked by a file: the writer's problem, not a bad entry.
-            return None
+            return ReadResult(path)
         try:
             # The fan-out directory too: another user's, or one others may write, could
             # hold a planted entry (checked on read as well as on write).
             why = _insecure(os.fstat(dfd))
             if why is not None:
-                self._reject(path.parent, why, None, insecure=True)
-                return None
+                return ReadResult(path.parent, problem=why, insecure=True)
             fd = os.open(path.name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
         except FileNotFoundError:
-            return None
+            return ReadResult(path)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                self._reject(path, "is a symbolic link", None, insecure=True)
-            else:
-                self._reject(path, f"cannot be read ({e.strerror})", None)
-            return None
+                return ReadResult(path, problem="is a symbolic link", insecure=True)
+            return ReadResult(path, problem=f"cannot be read ({e.strerror})")
         finally:
             os.close(dfd)
+        st = None
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
-                self._reject(path, "is a directory", st)
-                return None
+                return ReadResult(path, problem="is a directory", stat=st)
             if not stat.S_ISREG(st.st_mode):
-                self._reject(path, "is not a regular file", st)
-                return None
+                return ReadResult(path, problem="is not a regular file", stat=st)
             why = _insecure(st)
             if why is not None:
-                self._reject(path, why, None, insecure=True)
-                return None
+                return ReadResult(path, problem=why, insecure=True)
             with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read()
         except OSError as e:
-            self._reject(path, f"cannot be read ({e.strerror})", None)
-            return None
+            return ReadResult(path, problem=f"cannot be read ({e.strerror})")
         finally:
             os.close(fd)
         try:
-            entry = decode(data)
+            return ReadResult(path, entry=check_data(key, data), stat=st, data=data)
         except EntryFormatError as e:
-            self._reject(path, str(e), st)
-            return None
-        if entry.meta.get("key") != key:
-            self._reject(path, "holds another key", st)
-            return None
-        if devices is not None and list(entry.meta.get("devices", ())) != list(devices):
-            self._reject(path, "was built for another device", st)
-            return None
-        problem = layout_problem(entry)
-        if problem is not None:
-            self._reject(path, problem, st)
-            return None
-        return entry
+            return ReadResult(path, problem=str(e), stat=st)
 
     def _reject(
         self, path: Path, why: str, st: os.stat_result | None, *, insecure: bool = False
@@ -428,16 +452,25 @@ class Store:
         called with the temp path before the data is written (tests widen the
         window with it).
         """
+        return self._publish(entry.key, encode(entry), claim, write_hook)
+
+    def publish_encoded(self, key: str, data: bytes, *, claim: Claim | None = None) -> PublishResult:
+        """As :meth:`publish`, for an entry's bytes as stored (``import``): checked with
+        :func:`check_data` first, so a damaged one raises ``EntryFormatError`` and is
+        never written."""
+        check_data(key, data)
+        return self._publish(key, data, claim, None)
+
+    def _publish(self, key: str, data: bytes, claim: Claim | None, write_hook: Any) -> PublishResult:
         if not self.writable:
             return PublishResult.DISABLED
         own = claim is None
         if claim is None:
-            claim = self.claim(entry.key)
+            claim = self.claim(key)
             if claim is None:
                 return PublishResult.SKIPPED
         try:
-            directory = self._fanout(entry.key)
-            self._write_atomic(directory, self.path_for(entry.key), encode(entry), write_hook)
+            self._write_atomic(self._fanout(key), self.path_for(key), data, write_hook)
         finally:
             if own:
                 claim.release()
@@ -559,39 +592,13 @@ class Store:
         the bad ones, removed when ``fix``. Safe while others read and write."""
         bad: list[tuple[StoredEntry, str]] = []
         for e in self.entries():
-            problem = self._check(e)
-            if problem is None:
+            r = self.read(e.key)
+            if r.problem is None:
                 continue
-            bad.append((e, problem))
-            if fix:
-                self._remove_if_same(e.path, None)
+            bad.append((e, r.problem))
+            if fix:  # links and planted files included: our directory, our names
+                self._remove_if_same(e.path, r.stat)
         return bad
-
-    def _check(self, e: StoredEntry) -> str | None:
-        try:
-            fd = os.open(e.path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
-        except FileNotFoundError:
-            return None  # replaced or removed meanwhile
-        except OSError as err:
-            return f"cannot be read ({err.strerror})"
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return "not a regular file"
-            why = _insecure(st)
-            if why is not None:
-                return why
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read()
-        finally:
-            os.close(fd)
-        try:
-            entry = decode(data)
-        except EntryFormatError as err:
-            return str(err)
-        if entry.key != e.key:
-            return "holds another key"
-        return layout_problem(entry)
 
     def prune(self, *, max_size: int | None = None, older_than: float | None = None) -> PruneResult:
         """Evict least recently used entries until the total is at most ``max_size`` bytes,

@@ -1,0 +1,111 @@
+"""Activation without a code change: ``install()`` as soon as the program imports pyopencl.
+
+``asyncclcache-startup.pth`` (installed next to the package in site-packages) is one
+line that Python's ``site`` module runs at every interpreter start. With
+``ASYNCCLCACHE_INSTALL`` unset or ``0`` it is one environment lookup and imports
+nothing. With ``1`` it calls :func:`on_startup`, which puts a finder at the front of
+``sys.meta_path``: when ``pyopencl`` is first imported, :func:`asyncclcache.install`
+runs right after pyopencl's own ``__init__``, before the program can build anything.
+A process that never imports pyopencl never loads it (nor asyncclcache's cache).
+``asyncclcache run`` uses the same hook in its own process.
+
+Process-safe by construction (per process); :func:`activate` is idempotent and
+thread-safe (the import system's lock serializes the finder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+__all__ = ["activate", "on_startup"]
+
+_lock = threading.Lock()
+_done = False
+
+
+def on_startup() -> None:
+    """Called by the ``.pth`` line when ``ASYNCCLCACHE_INSTALL`` looks set. Never raises:
+    a bad setting or a broken installation is one line on stderr, and Python starts."""
+    try:
+        from .config import parse_bool
+
+        if parse_bool(os.environ.get("ASYNCCLCACHE_INSTALL"), name="ASYNCCLCACHE_INSTALL"):
+            activate()
+    except Exception as e:  # noqa: BLE001 - never break the interpreter's start-up
+        sys.stderr.write(f"asyncclcache: ASYNCCLCACHE_INSTALL: not activated: {e}\n")
+
+
+def activate() -> None:
+    """Install the cache now if pyopencl is imported, else right after it is.
+
+    Also arranges the exit summary when ``ASYNCCLCACHE_STATS=1``.
+    """
+    global _done
+    with _lock:
+        if _done:
+            return
+        _done = True
+    from .config import get_config
+
+    if get_config().stats:
+        from . import summary
+
+        summary.register()
+    if "pyopencl" in sys.modules:
+        _install()
+    else:
+        sys.meta_path.insert(0, _PyopenclFinder())
+
+
+def _install() -> None:
+    try:
+        from .program import install
+
+        install()
+    except Exception as e:  # noqa: BLE001 - the program runs on, uncached
+        sys.stderr.write(f"asyncclcache: install() failed, running uncached: {type(e).__name__}: {e}\n")
+
+
+class _PyopenclFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: asks the other finders for ``pyopencl`` and makes its
+    loader call :func:`_install` once the module has run. Removes itself then."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "pyopencl":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        self._remove()
+        loader: Any = spec.loader
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+        # The real loader stays the spec's loader (importlib.resources asks it for pyopencl's
+        # headers); only this instance's exec_module gains a step after it.
+
+        def exec_then_install(module: ModuleType) -> None:
+            exec_module(module)
+            _install()
+
+        loader.exec_module = exec_then_install
+        return spec
+
+    def _remove(self) -> None:
+        with contextlib.suppress(ValueError):  # another thread's import got there first
+            sys.meta_path.remove(self)

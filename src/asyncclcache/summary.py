@@ -1,0 +1,149 @@
+"""The exit summary (``--stats``, ``ASYNCCLCACHE_STATS=1``): one line, as ``ccache -s``.
+
+Each process prints one line to stderr at exit, after its caches are closed (so
+``pending`` is what was dropped)::
+
+    asyncclcache: 4 hits, 0 misses, 0 writes (0.0 MB), 1.9 s saved, 0 pending  [/dir]
+
+Under MPI, when the program itself uses mpi4py (``mpi4py.MPI`` imported and
+initialized; this module never initializes MPI), rank 0 prints one line for the job
+with the counters of every rank summed. The other ranks send theirs with a
+non-blocking send; rank 0 waits at most :data:`GATHER_TIMEOUT` seconds for them and
+says how many reported. Nothing here can hang an exit, or fail one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+from dataclasses import fields
+from typing import Any
+
+__all__ = ["GATHER_TIMEOUT", "register", "summary_line"]
+
+#: Seconds rank 0 waits at exit for the other ranks' counters.
+GATHER_TIMEOUT = 10.0
+_TAG = 23_571  # below 32767, the smallest MPI_TAG_UB the standard allows
+_lock = threading.Lock()
+_registered = False
+
+
+def register() -> None:
+    """Print the summary at interpreter exit (once per process, however often called).
+
+    Registered after the cache module's own exit hook, so it runs first and closes
+    the caches itself (bounded by their exit timeout) before counting.
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        _registered = True
+    atexit.register(_at_exit)
+
+
+def _local() -> tuple[Any, list[str]]:
+    """This process's counters over all its caches, and their directories."""
+    cache = sys.modules.get("asyncclcache.cache")
+    if cache is None:  # no cache was ever made: nothing to count
+        return None, []
+    closed = cache.close_all()
+    total = cache.Stats()
+    dirs: list[str] = []
+    for directory, stats in closed:
+        total = total + stats
+        if directory not in dirs:
+            dirs.append(directory)
+    return (total if closed else None), dirs
+
+
+def summary_line(stats: Any, dirs: list[str], label: str = "asyncclcache") -> str:
+    """The summary line for ``stats`` (a :class:`~asyncclcache.Stats`) of ``dirs``."""
+    where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} directories"
+    return f"{stats.line(label)}  [{where}]"
+
+
+def _at_exit() -> None:
+    try:
+        stats, dirs = _local()
+        mpi = _mpi()
+        if mpi is not None:
+            _job_line(mpi, stats, dirs)
+        elif stats is not None:
+            _print(summary_line(stats, dirs, _label()))
+    except Exception as e:  # noqa: BLE001 - never fail interpreter exit
+        sys.stderr.write(f"asyncclcache: no exit summary: {type(e).__name__}: {e}\n")
+
+
+def _label() -> str:
+    from .ranks import detect_rank
+
+    rank = detect_rank()
+    return "asyncclcache" if rank is None else f"asyncclcache [rank {rank}]"
+
+
+def _mpi() -> Any:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return None
+    try:
+        if not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() < 2:
+            return None
+    except Exception:  # noqa: BLE001
+        return None
+    return mpi
+
+
+def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
+    import numpy as np
+
+    from .cache import Stats
+
+    names = [f.name for f in fields(Stats)]
+    comm = mpi.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    # [had a cache, counters...]: a rank that built nothing still reports, so rank 0
+    # need not wait for it.
+    mine = np.zeros(len(names) + 1, dtype=np.float64)
+    if stats is not None:
+        mine[0] = 1
+        mine[1:] = [getattr(stats, n) for n in names]
+    deadline = time.monotonic() + GATHER_TIMEOUT
+    if rank != 0:
+        req = comm.Isend(mine, dest=0, tag=_TAG)
+        while not req.Test() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return
+    bufs = [np.empty_like(mine) for _ in range(size - 1)]
+    reqs = [comm.Irecv(b, source=src, tag=_TAG) for src, b in enumerate(bufs, start=1)]
+    arrived = [False] * len(reqs)
+    while not all(arrived) and time.monotonic() < deadline:
+        for i, r in enumerate(reqs):
+            if not arrived[i] and r.Test():
+                arrived[i] = True
+        if not all(arrived):
+            time.sleep(0.001)
+    for i, r in enumerate(reqs):
+        if not arrived[i]:
+            r.Cancel()
+            r.Wait()
+    total = mine.copy()
+    for i, b in enumerate(bufs):
+        if arrived[i]:
+            total += b
+    if total[0] == 0:
+        return  # no rank made a cache
+    job = Stats.from_values(dict(zip(names, total[1:].tolist(), strict=True)))
+    reported = 1 + sum(arrived)
+    label = f"asyncclcache ({size} ranks)" if reported == size else (
+        f"asyncclcache ({reported} of {size} ranks reported)"
+    )
+    where = "" if not dirs else f"  [rank 0: {dirs[0] if len(dirs) == 1 else f'{len(dirs)} directories'}]"
+    _print(job.line(label) + where)
+
+
+def _print(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
