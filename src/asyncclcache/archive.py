@@ -276,7 +276,7 @@ def _normal(name: str) -> str:
 @contextlib.contextmanager
 def _open(archive: str | os.PathLike[str]) -> Iterator[tarfile.TarFile]:
     try:
-        tar = tarfile.open(archive, mode="r:*")
+        tar = tarfile.open(archive, mode="r:*")  # noqa: SIM115 - closed below, errors told apart
     except FileNotFoundError:
         raise ArchiveError(f"{archive}: no such file") from None
     except (tarfile.TarError, EOFError, OSError) as e:
