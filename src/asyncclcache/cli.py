@@ -356,8 +356,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     except ArchiveError as e:
         print(f"asyncclcache: refusing {e}; nothing was imported", file=sys.stderr)
         return EXIT_CHECK_FAILED
-    human = [f"imported {r.imported} entries ({r.added} added, {r.replaced} replaced, {r.kept} kept)"
-             + (f"; {r.busy} being written by another process" if r.busy else "")]
+    human = [f"imported {r.imported} entries ({r.added} added, {r.replaced} replaced, {r.kept} kept)"]
+    if r.busy:
+        human.append(f"skipped {r.busy} that another process was writing")
     if r.ignored:
         human.append(f"ignored {r.ignored} lock, temp and counter files")
     human += [f"  not replaced (unsafe)  {u}" for u in r.unsafe]
