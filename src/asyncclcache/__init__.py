@@ -17,9 +17,6 @@ neither pyopencl nor the cache machinery until a program needs them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
 from ._version import __version__
 from .errors import (
     AsyncCLCacheError,
@@ -34,6 +31,7 @@ from .errors import (
     WriteFailedWarning,
 )
 
+TYPE_CHECKING = False  # typing's costs 5-15 ms at start-up (see _startup.py)
 if TYPE_CHECKING:
     from .cache import Cache, Stats, Step, default_cache, step
     from .program import Program, install, installed, is_installed, uninstall
@@ -52,10 +50,12 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'asyncclcache' has no attribute {name!r}")
+    import importlib
+
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

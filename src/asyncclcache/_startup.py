@@ -15,15 +15,19 @@ thread-safe (the import system's lock serializes the finder).
 
 from __future__ import annotations
 
-import contextlib
-import importlib.abc
-import importlib.machinery
+# Only what `site` already loaded, and threading: this runs in every interpreter that sets
+# the variable, OpenCL or not (benchmarks/startup.py measures it).
 import os
 import sys
 import threading
-from collections.abc import Sequence
-from types import ModuleType
-from typing import Any
+
+from ._flags import parse_bool
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import importlib.machinery
+    from collections.abc import Sequence
+    from types import ModuleType
 
 __all__ = ["activate", "on_startup"]
 
@@ -35,8 +39,6 @@ def on_startup() -> None:
     """Called by the ``.pth`` line when ``ASYNCCLCACHE_INSTALL`` looks set. Never raises:
     a bad setting or a broken installation is one line on stderr, and Python starts."""
     try:
-        from .config import parse_bool
-
         if parse_bool(os.environ.get("ASYNCCLCACHE_INSTALL"), name="ASYNCCLCACHE_INSTALL"):
             activate()
     except Exception as e:  # noqa: BLE001 - never break the interpreter's start-up
@@ -53,9 +55,7 @@ def activate() -> None:
         if _done:
             return
         _done = True
-    from .config import get_config
-
-    if get_config().stats:
+    if parse_bool(os.environ.get("ASYNCCLCACHE_STATS"), name="ASYNCCLCACHE_STATS"):
         from . import summary
 
         summary.register()
@@ -74,7 +74,7 @@ def _install() -> None:
         sys.stderr.write(f"asyncclcache: install() failed, running uncached: {type(e).__name__}: {e}\n")
 
 
-class _PyopenclFinder(importlib.abc.MetaPathFinder):
+class _PyopenclFinder:  # a meta path finder (importlib.abc would cost 20 ms to import)
     """Finds nothing itself: asks the other finders for ``pyopencl`` and makes its
     loader call :func:`_install` once the module has run. Removes itself then."""
 
@@ -84,7 +84,7 @@ class _PyopenclFinder(importlib.abc.MetaPathFinder):
         if fullname != "pyopencl":
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if finder is self or not hasattr(finder, "find_spec"):  # type: ignore[comparison-overlap]
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -92,7 +92,7 @@ class _PyopenclFinder(importlib.abc.MetaPathFinder):
         else:
             return None
         self._remove()
-        loader: Any = spec.loader
+        loader = spec.loader
         exec_module = getattr(loader, "exec_module", None)
         if exec_module is None:
             return spec
@@ -107,5 +107,5 @@ class _PyopenclFinder(importlib.abc.MetaPathFinder):
         return spec
 
     def _remove(self) -> None:
-        with contextlib.suppress(ValueError):  # another thread's import got there first
-            sys.meta_path.remove(self)
+        if self in sys.meta_path:  # another thread's import may have got there first
+            sys.meta_path.remove(self)  # type: ignore[arg-type]

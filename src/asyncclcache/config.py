@@ -22,26 +22,14 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ._flags import parse_bool
+
 __all__ = ["STRATEGIES", "Config", "get_config", "parse_bool", "parse_size"]
 
 STRATEGIES = ("auto", "kcache", "process", "thread", "sync")
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bool(value: str | None, *, name: str = "value") -> bool | None:
-    """``None`` for unset; ``True``/``False`` for the usual spellings; ``ValueError`` otherwise."""
-    if value is None:
-        return None
-    v = value.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"{name}: expected 0/1/true/false, got {value!r}")
 
 
 def parse_size(value: str | int | None) -> int | None:

@@ -18,8 +18,10 @@ import atexit
 import sys
 import threading
 import time
-from dataclasses import fields
-from typing import Any
+
+TYPE_CHECKING = False  # registered at start-up: typing is not loaded yet
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["GATHER_TIMEOUT", "register", "summary_line"]
 
@@ -97,6 +99,8 @@ def _mpi() -> Any:
 
 
 def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
+    from dataclasses import fields
+
     import numpy as np
 
     from .cache import Stats
