@@ -37,7 +37,7 @@ LEGEND = {
     "reuse that cache, i.e. the **same node** (†) — on a new node it is cold",
     "pyopencl": "pyopencl's own binary cache, forced on (`has_src_build_cache` patched)",
     "pyopencl-spec0": "pyopencl's binary cache with `POCL_WORK_GROUP_SPECIALIZATION=0`: every "
-    "launch uses the generic variant, so its BINARIES query compiles nothing more (DESIGN.md "
+    "launch uses the generic variant, so its BINARIES query compiles nothing more (docs/design.md "
     "F17), at the price of unspecialized kernels (see the steps 2..N row)",
     "acc": "asyncclcache, strategy `auto` (on pocl with its kernel cache on: `kcache`, the "
     "program's kernel-cache folder is the entry; nothing is compiled for the cache)",

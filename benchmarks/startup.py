@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             "pass, hook, =1": ([hooked, "-c", "pass"], on),
             "import pyopencl, no hook": ([plain, "-c", "import pyopencl"], base_env),
             "import pyopencl, hook, =1": (
-                [hooked, "-c", "import pyopencl; assert pyopencl.Program.build.__module__ == 'asyncclcache.program'"],
+                [hooked, "-c",
+                 "import pyopencl; assert pyopencl.Program.build.__module__ == 'asyncclcache.program'"],
                 on),
         }
         for cmd, env in variants.values():  # warm the OS's file cache and bytecode

@@ -340,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                "--steps", str(args.steps), "--size", str(args.size)]
         if label == "pyopencl":
             cmd.append("--no-cache")
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              check=False)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         lines = proc.stdout.splitlines()
         for line in lines[:-1]:
             print(line)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ os.environ["ASYNCCLCACHE_DIR"] = tempfile.mkdtemp(prefix="acc-test-default-")
 
 import pytest  # noqa: E402
 
+from _pocl import PoclMissingError, pocl_context  # noqa: E402
 from kernels import run_twice, seed_source, small_source  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,13 +43,32 @@ def cache_dir(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def cl_ctx() -> Any:
     """A real pocl context (the first pocl CPU device)."""
-    import pyopencl as cl
-
-    for p in cl.get_platforms():
-        if p.name == "Portable Computing Language":
-            return cl.Context(p.get_devices()[:1])
-    pytest.skip("pocl is not installed (apt-get install pocl-opencl-icd)")
+    try:
+        return pocl_context()
+    except PoclMissingError as e:
+        pytest.skip(str(e))
     return None
+
+
+@pytest.fixture
+def open_cache() -> Iterator[Callable[..., Any]]:
+    """``open_cache(...)`` is ``acc.Cache(...)``, closed at teardown even when the test fails.
+
+    A test may still close a cache itself (close is idempotent): where closing is part of
+    what it checks, or before it opens the same directory again.
+    """
+    import asyncclcache as acc
+
+    opened: list[Any] = []
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        cache = acc.Cache(*args, **kwargs)
+        opened.append(cache)
+        return cache
+
+    yield make
+    for cache in reversed(opened):
+        cache.close()
 
 
 @pytest.fixture

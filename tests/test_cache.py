@@ -5,20 +5,19 @@ from __future__ import annotations
 import os
 import time
 
-import asyncclcache as acc
 from asyncclcache import lifetime
 from asyncclcache.store import Store
 from kernels import run_twice, small_source
 
 
-def test_max_size_evicts_least_recently_used_in_background(cl_ctx, cache_dir):
-    probe = acc.Cache(cache_dir / "probe")
+def test_max_size_evicts_least_recently_used_in_background(cl_ctx, cache_dir, open_cache):
+    probe = open_cache(cache_dir / "probe")
     probe.program(cl_ctx, small_source()).build()
     assert probe.flush(120)
     one = Store(cache_dir / "probe").total_bytes()
     probe.close()
 
-    cache = acc.Cache(cache_dir, max_size=int(2.5 * one))
+    cache = open_cache(cache_dir, max_size=int(2.5 * one))
     prgs = []
     for _ in range(5):
         prgs.append(cache.program(cl_ctx, small_source()).build())
@@ -32,14 +31,26 @@ def test_max_size_evicts_least_recently_used_in_background(cl_ctx, cache_dir):
     cache.close()
 
 
-def test_max_size_accepts_suffixes_and_environment(cache_dir):
-    assert acc.Cache(cache_dir, max_size="2M").max_size == 2 << 20
-    assert acc.Cache(cache_dir).max_size is None
+def test_max_size_accepts_suffixes_and_environment(cache_dir, open_cache, monkeypatch):
+    from asyncclcache.config import get_config
+
+    assert open_cache(cache_dir, max_size="2M").max_size == 2 << 20
+    assert open_cache(cache_dir).max_size is None  # conftest unset ASYNCCLCACHE_MAX_SIZE
+    # The environment is read once per process (get_config): forget it to read it again.
+    monkeypatch.setenv("ASYNCCLCACHE_MAX_SIZE", "3M")
+    get_config.cache_clear()
+    try:
+        assert open_cache(cache_dir).max_size == 3 << 20
+        assert open_cache(cache_dir, max_size="1K").max_size == 1 << 10  # the argument wins
+    finally:
+        monkeypatch.undo()
+        get_config.cache_clear()  # the next reader sees the environment without it
+    assert open_cache(cache_dir).max_size is None
 
 
-def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir):
+def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir, open_cache):
     src = small_source()
-    cache = acc.Cache(cache_dir)
+    cache = open_cache(cache_dir)
     prg = cache.program(cl_ctx, src).build()
     assert cache.flush(120)
     cache.close()
@@ -48,7 +59,7 @@ def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir):
     os.utime(path, (old, old))
     before = path.stat()
 
-    again = acc.Cache(cache_dir)
+    again = open_cache(cache_dir)
     again.program(cl_ctx, src).build()
     assert again.flush(60)
     after = path.stat()
@@ -57,8 +68,8 @@ def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir):
     again.close()
 
 
-def test_lifetime_stats_saved_at_flush_and_close(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_lifetime_stats_saved_at_flush_and_close(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     cache.program(cl_ctx, small_source()).build()
     assert cache.flush(120)
     saved = lifetime.read(cache.directory)
@@ -71,15 +82,17 @@ def test_lifetime_stats_saved_at_flush_and_close(cl_ctx, cache_dir):
     assert (saved["runs"], saved["misses"]) == (1, 2)
 
 
-def test_import_and_a_warm_hit_leave_filelock_unloaded(cl_ctx, cache_dir):
+def test_import_and_a_warm_hit_leave_filelock_unloaded(cl_ctx, cache_dir, open_cache):
     """Locks are only taken in the background (and at flush): a warm start does not pay
     for importing filelock (which pulls in asyncio)."""
     import subprocess
     import sys
     import textwrap
 
+    from conftest import ROOT
+
     src = small_source("lazy", salt="filelock-stays-unloaded")
-    cache = acc.Cache(cache_dir, rank_local=False)
+    cache = open_cache(cache_dir, rank_local=False)
     prg = cache.program(cl_ctx, src).build()
     assert run_twice(cl_ctx, prg, "lazy")
     assert cache.close(120) and cache.stats().writes == 1
@@ -88,25 +101,26 @@ def test_import_and_a_warm_hit_leave_filelock_unloaded(cl_ctx, cache_dir):
         import asyncclcache as acc
         assert "filelock" not in sys.modules, "imported by: import asyncclcache"
         import pyopencl as cl
-        plat = [p for p in cl.get_platforms() if p.name == "Portable Computing Language"][0]
-        ctx = cl.Context(plat.get_devices()[:1])
+        from _pocl import pocl_context
+        ctx = pocl_context()
         cache = acc.Cache({str(cache_dir)!r}, rank_local=False)
         cache.program(ctx, {src!r}).build()
         assert cache.stats().hits == 1, cache.stats()
         print("filelock" in sys.modules)
     """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, check=False)
+                       env=env, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 
 
-def test_job_table_is_bounded(cl_ctx, cache_dir, monkeypatch):
+def test_job_table_is_bounded(cl_ctx, cache_dir, monkeypatch, open_cache):
     import asyncclcache.cache as cache_mod
     from kernels import run_twice, small_source
 
     monkeypatch.setattr(cache_mod, "MAX_JOBS", 3)
-    cache = acc.Cache(cache_dir)
+    cache = open_cache(cache_dir)
     for i in range(6):
         prg = cache.program(cl_ctx, small_source(name=f"bounded{i}")).build()
         assert run_twice(cl_ctx, prg, name=f"bounded{i}")

@@ -23,11 +23,12 @@ RUN = r"""
 import json, os, pathlib, sys, time
 import pyopencl as cl, asyncclcache as acc
 from kernels import small_source, run_twice
+from _pocl import pocl_context
 pocl = pathlib.Path(os.environ["POCL_CACHE_DIR"])
 def files():
     return sorted(str(p.relative_to(pocl)) for p in pocl.rglob("*")
                   if p.is_file() and p.parent != pocl and p.name != "last_accessed")
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy=sys.argv[3] if len(sys.argv) > 3 else "auto")
 prg = cache.program(ctx, small_source(salt=sys.argv[2], repeat=20)).build()
 after_build = files()
@@ -74,8 +75,8 @@ def test_kernel_cache_off_falls_back_to_process(cache_dir):
     assert named["drivers"] == ["process"]
 
 
-def test_threads_building_at_once_each_find_their_own_folder(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_threads_building_at_once_each_find_their_own_folder(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     sources = [small_source(name=f"k{i}", repeat=10) for i in range(4)]
     prgs: dict[int, object] = {}
 
@@ -162,8 +163,8 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
             kcache.restore(root, [bad], [b"x"])
 
 
-def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     prg = cache.program(cl_ctx, small_source()).build()
     assert cache.flush(120)
     store = Store(cache_dir)
@@ -177,12 +178,12 @@ def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir):
         assert store.load(prg.cache_key) is None
 
 
-def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache_dir):
+def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache_dir, open_cache):
     import shutil
 
     root = kcache.kernel_cache_dir()
     assert root is not None
-    cache = acc.Cache(cache_dir)
+    cache = open_cache(cache_dir)
     with cache.step() as _:
         prg = cache.program(cl_ctx, small_source()).build()
         assert run_twice(cl_ctx, prg)
@@ -198,8 +199,8 @@ def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache
     cache.close()
 
 
-def test_refresh_rewrites_only_when_a_folder_gained_a_variant(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_refresh_rewrites_only_when_a_folder_gained_a_variant(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     prg = cache.program(cl_ctx, small_source()).build()
     assert run_twice(cl_ctx, prg, local_size=(4,))
     assert cache.flush(60)
@@ -224,9 +225,9 @@ def test_a_hit_that_compiles_a_new_variant_refreshes_its_entry(cache_dir):
     assert entry is not None and any("/32-1-1" in f for f in entry.meta["files"])
 
 
-def test_snapshot_waits_for_the_first_launch(cl_ctx, cache_dir):
+def test_snapshot_waits_for_the_first_launch(cl_ctx, cache_dir, open_cache):
     # Outside a step the entry is taken once every kernel has a variant (or after a while).
-    cache = acc.Cache(cache_dir)
+    cache = open_cache(cache_dir)
     prg = cache.program(cl_ctx, small_source()).build()
     assert run_twice(cl_ctx, prg, local_size=(2,))
     import time
@@ -293,7 +294,7 @@ def test_kernel_cache_dir_as_pocl_finds_it(monkeypatch, tmp_path, env, expect):
         assert got == (Path(expect) if expect else None)
 
 
-def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir):
+def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir, open_cache):
     # A large, old kernel cache (a user's ~/.cache/pocl): identifying a new program's folder
     # must not stat every old folder; a program pocl serves from an old folder still is found.
     import pyopencl as cl
@@ -313,7 +314,7 @@ def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir):
     for i in range(10):
         os.utime(root / f"Z{i}", (time.time() - time_ago, time.time() - time_ago))
 
-    cache = acc.Cache(cache_dir)
+    cache = open_cache(cache_dir)
     prg = cache.program(cl_ctx, small_source(name="fresh_kernel_name_xyz")).build()
     assert run_twice(cl_ctx, prg, name="fresh_kernel_name_xyz")
     assert cache.flush(60)
@@ -343,7 +344,8 @@ def test_kernel_cache_off_flush_rewrites_nothing(cache_dir):
 import json, sys
 import pyopencl as cl, asyncclcache as acc
 from kernels import small_source, run_twice
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
 prgs = [cache.program(ctx, small_source(name=f"k{i}")).build() for i in range(3)]
 assert all(run_twice(ctx, p, name=f"k{i}") for i, p in enumerate(prgs))

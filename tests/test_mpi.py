@@ -29,9 +29,10 @@ os.environ["POCL_CACHE_DIR"] = os.path.join(sys.argv[2], f"pocl-rank{rank}" if p
 from mpi4py import MPI
 import pyopencl as cl, asyncclcache as acc
 from kernels import small_source, run_twice
+from _pocl import pocl_context
 comm = MPI.COMM_WORLD
 cache = acc.Cache(sys.argv[1], rank_local=(sys.argv[3] == "local"))
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+ctx = pocl_context()
 ok = True
 for i in range(int(sys.argv[4])):
     prg = cache.program(ctx, small_source(salt=f"mpi-{rank}-{i}" if distinct else f"mpi-{i}")).build()
@@ -145,7 +146,8 @@ HOLDER = r"""
 import json, os, sys, time, signal
 import pyopencl as cl, asyncclcache as acc
 from kernels import seed_source
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], rank_local=False, strategy="process")   # the helper holds the claim for seconds
 cache.program(ctx, seed_source(1000, salt="claim-test")).build()
 lock = cache.store.path_for(cache._jobs and next(iter(cache._jobs))).with_suffix(".lock")
@@ -162,7 +164,8 @@ CONTENDER = r"""
 import json, sys
 import pyopencl as cl, asyncclcache as acc
 from kernels import seed_source, run_twice
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], rank_local=False, strategy="process")
 prg = cache.program(ctx, seed_source(1000, salt="claim-test")).build()
 print(json.dumps({"flushed": cache.flush(300), "stats": cache.stats().as_dict()}))

@@ -15,8 +15,8 @@ from conftest import child_json, run_child, run_in_threads
 from kernels import run_twice, small_source
 
 
-def test_behaves_like_pyopencl_program(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_behaves_like_pyopencl_program(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     src = small_source("twice") + "__kernel void other(__global float *x) { x[0] = 1.0f; }\n"
     prg = cache.program(cl_ctx, src)
     assert isinstance(prg, cl.Program)
@@ -30,11 +30,11 @@ def test_behaves_like_pyopencl_program(cl_ctx, cache_dir):
     cache.close()
 
 
-def test_bad_source_raises_like_pyopencl_and_writes_nothing(cl_ctx, cache_dir):
+def test_bad_source_raises_like_pyopencl_and_writes_nothing(cl_ctx, cache_dir, open_cache):
     bad = "__kernel void broken(__global float *a) { a[0] = undefined_name; }"
     with pytest.raises(cl.RuntimeError) as theirs:
         cl.Program(cl_ctx, bad).build()
-    cache = acc.Cache(cache_dir)
+    cache = open_cache(cache_dir)
     with pytest.raises(cl.RuntimeError) as ours:
         cache.program(cl_ctx, bad).build()
     assert type(ours.value) is type(theirs.value)
@@ -47,12 +47,12 @@ def test_bad_source_raises_like_pyopencl_and_writes_nothing(cl_ctx, cache_dir):
     cache.close()
 
 
-def test_bad_options_raise_like_pyopencl(cl_ctx, cache_dir):
+def test_bad_options_raise_like_pyopencl(cl_ctx, cache_dir, open_cache):
     src = small_source()
     with pytest.raises(cl.Error) as theirs:
         cl.Program(cl_ctx, src).build(options=["-Dbroken=(", "-cl-no-such-option"])
     with pytest.raises(cl.Error) as ours:
-        acc.Cache(cache_dir).program(cl_ctx, src).build(options=["-Dbroken=(", "-cl-no-such-option"])
+        open_cache(cache_dir).program(cl_ctx, src).build(options=["-Dbroken=(", "-cl-no-such-option"])
     assert type(ours.value) is type(theirs.value)
     assert ours.value.code == theirs.value.code
 
@@ -64,12 +64,13 @@ def test_cold_build_queries_no_binaries_in_main_process(cache_dir, tmp_path):
 import json, os, sys, time, pathlib
 import asyncclcache as acc, asyncclcache.binaries as b, pyopencl as cl
 from kernels import seed_source
+from _pocl import pocl_context
 calls = []
 orig = b.program_binaries
 b.program_binaries = lambda *a, **k: calls.append(1) or orig(*a, **k)
 pocl = pathlib.Path(os.environ["POCL_CACHE_DIR"])
 generic = lambda: sorted(str(p) for p in pocl.rglob("0-0-0"))
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy="process")
 t = time.perf_counter()
 prg = cache.program(ctx, seed_source(300)).build()
@@ -91,7 +92,8 @@ def test_entry_gives_new_node_a_hit(cache_dir):
 import json, sys
 import asyncclcache as acc, pyopencl as cl
 from kernels import small_source, run_twice
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
 prg = cache.program(ctx, small_source(salt="fixed-for-two-runs")).build()
 ok = run_twice(ctx, prg, local_size=(64,))
@@ -107,8 +109,8 @@ print(json.dumps({"ok": ok, "flushed": flushed, "stats": cache.stats().as_dict()
     assert second["stats"]["writes"] == 0
 
 
-def test_helper_started_once_idle_priority_and_reaped(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir, strategy="process")
+def test_helper_started_once_idle_priority_and_reaped(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir, strategy="process")
     prgs = [cache.program(cl_ctx, small_source()).build() for _ in range(3)]
     driver = cache._drivers["process"]
     assert cache.flush(120)
@@ -127,7 +129,8 @@ def test_helper_exits_when_parent_is_killed(cache_dir):
 import os, sys, signal, time
 import asyncclcache as acc, pyopencl as cl
 from kernels import seed_source
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy="process")
 cache.program(ctx, seed_source(1000)).build()   # the helper will compile for seconds
 driver = cache._drivers["process"]
@@ -155,9 +158,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_damaged_entry_rebuilds_warns_and_is_replaced(cl_ctx, cache_dir):
+def test_damaged_entry_rebuilds_warns_and_is_replaced(cl_ctx, cache_dir, open_cache):
     src = small_source()
-    cache = acc.Cache(cache_dir)
+    cache = open_cache(cache_dir)
     prg = cache.program(cl_ctx, src).build()
     assert cache.flush(120)
     path = Store(cache_dir).path_for(prg.cache_key)
@@ -166,7 +169,7 @@ def test_damaged_entry_rebuilds_warns_and_is_replaced(cl_ctx, cache_dir):
     path.write_bytes(bytes(data))
     cache.close()
 
-    again = acc.Cache(cache_dir)  # no memory of the good entry
+    again = open_cache(cache_dir)  # no memory of the good entry
     with pytest.warns(acc.CorruptEntryWarning):
         prg2 = again.program(cl_ctx, src).build()
     assert run_twice(cl_ctx, prg2)
@@ -178,11 +181,11 @@ def test_damaged_entry_rebuilds_warns_and_is_replaced(cl_ctx, cache_dir):
     again.close()
 
 
-def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir):
+def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir, open_cache):
     from asyncclcache.entry import Entry
 
     src = small_source()
-    cache = acc.Cache(cache_dir, strategy="process")
+    cache = open_cache(cache_dir, strategy="process")
     prg = cache.program(cl_ctx, src).build()
     assert cache.flush(120)
     store = Store(cache_dir)
@@ -193,7 +196,7 @@ def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir):
     store.publish(junk)
     cache.close()
 
-    again = acc.Cache(cache_dir, strategy="process")
+    again = open_cache(cache_dir, strategy="process")
     with pytest.warns(acc.BinaryRejectedWarning):
         prg2 = again.program(cl_ctx, src).build()
     assert run_twice(cl_ctx, prg2)
@@ -204,8 +207,8 @@ def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir):
     again.close()
 
 
-def test_concurrent_builds_from_four_threads(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_concurrent_builds_from_four_threads(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     shared = small_source()
     sources = [small_source() for _ in range(4)]
     results: list[bool] = []
@@ -223,8 +226,8 @@ def test_concurrent_builds_from_four_threads(cl_ctx, cache_dir):
     cache.close()
 
 
-def test_background_write_error_counted_not_raised(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_background_write_error_counted_not_raised(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     prg = cache.program(cl_ctx, small_source())
     # Block the entry's fan-out directory with a regular file: the write must fail.
     from asyncclcache.keys import make_key
@@ -249,8 +252,9 @@ import json, sys, pathlib, warnings
 import asyncclcache as acc, pyopencl as cl
 from asyncclcache.keys import make_key
 from kernels import small_source
+from _pocl import pocl_context
 warnings.simplefilter("ignore")
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
 prg = cache.program(ctx, small_source())
 opts, inc = prg._process_build_options(ctx, None)
@@ -273,7 +277,8 @@ def test_exit_with_pending_work_is_bounded_and_clean(cache_dir):
 import sys, time
 import asyncclcache as acc, pyopencl as cl
 from kernels import seed_source
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy="process")
 cache.program(ctx, seed_source(1000)).build()
 driver = cache._drivers["process"]
@@ -307,7 +312,8 @@ def test_in_process_strategies_write_valid_entries(strategy, cache_dir):
 import json, sys
 import asyncclcache as acc, pyopencl as cl
 from kernels import small_source, run_twice
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy=sys.argv[2])
 prg = cache.program(ctx, small_source(salt="strategy-" + sys.argv[2])).build()
 flushed = cache.flush(120)   # before launching: no query races a launch (F13)
@@ -338,7 +344,8 @@ def test_two_devices_in_one_context(cache_dir):
 import json, sys
 import asyncclcache as acc, pyopencl as cl
 from kernels import small_source, run_twice
-devs = cl.get_platforms()[0].get_devices()
+from _pocl import pocl_devices
+devs = pocl_devices()
 ctx = cl.Context(devs)
 cache = acc.Cache(sys.argv[1])
 prg = cache.program(ctx, small_source(salt="two-devices")).build()
@@ -366,7 +373,8 @@ def test_pyopencl_build_options_are_part_of_the_key(cache_dir):
     code = r"""
 import json, sys
 import numpy as np, pyopencl as cl, asyncclcache as acc
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 q = cl.CommandQueue(ctx)
 src = "__kernel void f(__global float *c) { c[get_global_id(0)] = FACTOR; }"
 cache = acc.Cache(sys.argv[1])
@@ -389,7 +397,8 @@ def test_disabled_by_environment_builds_plainly(cache_dir):
 import json, sys
 import asyncclcache as acc, pyopencl as cl
 from kernels import small_source, run_twice
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
 prg = cache.program(ctx, small_source()).build()
 print(json.dumps({"ok": run_twice(ctx, prg), "flushed": cache.flush(10), "stats": cache.stats().as_dict()}))
@@ -407,8 +416,9 @@ def test_fork_with_pending_work_gives_the_child_a_clean_cache(cache_dir):
 import json, os, sys, time
 import pyopencl as cl, asyncclcache as acc
 from kernels import seed_source
+from _pocl import pocl_context
 cache = acc.Cache(sys.argv[1], strategy="process", exit_timeout=60)
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+ctx = pocl_context()
 cache.program(ctx, seed_source(600, salt="fork-parent")).build()
 assert cache.stats().pending == 1
 r, w = os.pipe()
@@ -448,7 +458,8 @@ def test_helper_protocol_survives_a_printing_sitecustomize(cache_dir, tmp_path):
 import json, sys
 import pyopencl as cl, asyncclcache as acc
 from kernels import small_source, run_twice
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+from _pocl import pocl_context
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy="process")
 prg = cache.program(ctx, small_source(salt="sitecustomize")).build()
 ok = run_twice(ctx, prg)

@@ -14,10 +14,11 @@ STEP_RUN = r"""
 import json, os, pathlib, sys, time
 import numpy as np, pyopencl as cl, asyncclcache as acc
 from kernels import seed_source
+from _pocl import pocl_context
 pocl = pathlib.Path(os.environ["POCL_CACHE_DIR"])
 def variants(ls):
     return sorted(p.name for p in pocl.rglob(f"{ls}-1-1*") if p.is_dir())
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]]); q = cl.CommandQueue(ctx)
+ctx = pocl_context(); q = cl.CommandQueue(ctx)
 n = 4096
 a = np.random.default_rng(1).random(n).astype(np.float32)
 mf = cl.mem_flags
@@ -60,8 +61,9 @@ def test_variants_after_the_snapshot_are_refreshed_at_flush(cache_dir):
 import json, os, pathlib, sys
 import pyopencl as cl, asyncclcache as acc
 from kernels import small_source, run_twice
+from _pocl import pocl_context
 pocl = pathlib.Path(os.environ["POCL_CACHE_DIR"])
-ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
 prg = cache.program(ctx, small_source(salt="refresh-test")).build()
 if sys.argv[2] == "first":
@@ -84,8 +86,8 @@ else:
     assert second["before"], "the refreshed entry should hold the local-size-8 variant"
 
 
-def test_unchanged_program_is_not_rewritten_at_flush(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir, strategy="process")
+def test_unchanged_program_is_not_rewritten_at_flush(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir, strategy="process")
     prg = cache.program(cl_ctx, small_source()).build()
     assert run_twice(cl_ctx, prg)
     assert cache.flush(120)
@@ -97,8 +99,8 @@ def test_unchanged_program_is_not_rewritten_at_flush(cl_ctx, cache_dir):
     cache.close()
 
 
-def test_wait_true_flushes_at_exit_and_counts(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_wait_true_flushes_at_exit_and_counts(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     src = small_source()
     with cache.step(wait=True) as step:
         a = cache.program(cl_ctx, src).build()
@@ -114,8 +116,8 @@ def test_wait_true_flushes_at_exit_and_counts(cl_ctx, cache_dir):
     cache.close()
 
 
-def test_nested_steps(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_nested_steps(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
     with cache.step() as outer:
         cache.program(cl_ctx, small_source()).build()
         with cache.step(wait=True) as inner:
@@ -127,8 +129,8 @@ def test_nested_steps(cl_ctx, cache_dir):
     cache.close()
 
 
-def test_exception_in_step_propagates_and_still_schedules(cl_ctx, cache_dir):
-    cache = acc.Cache(cache_dir)
+def test_exception_in_step_propagates_and_still_schedules(cl_ctx, cache_dir, open_cache):
+    cache = open_cache(cache_dir)
 
     class Boom(Exception):
         pass
@@ -143,15 +145,18 @@ def test_exception_in_step_propagates_and_still_schedules(cl_ctx, cache_dir):
 
 
 def test_default_cache_step_shortcut(cl_ctx):
-    with acc.step(wait=True) as step:
-        prg = acc.Program(cl_ctx, small_source()).build()
-    assert step.cache is acc.default_cache()
-    assert step.misses == 1 and run_twice(cl_ctx, prg)
+    try:
+        with acc.step(wait=True) as step:
+            prg = acc.Program(cl_ctx, small_source()).build()
+        assert step.cache is acc.default_cache()
+        assert step.misses == 1 and run_twice(cl_ctx, prg)
+    finally:
+        acc.default_cache().close()  # the next user of the default cache gets a fresh one
 
 
-def test_refresh_matches_by_program_not_kernel_name(cl_ctx, cache_dir):
+def test_refresh_matches_by_program_not_kernel_name(cl_ctx, cache_dir, open_cache):
     # Issue 12: 12 programs whose kernel is named `k` cost 78 helper requests at flush.
-    cache = acc.Cache(cache_dir, strategy="process")
+    cache = open_cache(cache_dir, strategy="process")
     prgs = [cache.program(cl_ctx, small_source(name="k", salt=f"same-name-{i}", repeat=i + 1)).build()
             for i in range(12)]
     assert cache.flush(300)
