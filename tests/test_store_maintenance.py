@@ -1,0 +1,255 @@
+"""The on-disk store's upkeep: per-key locks and claims, killed writers, orphaned temp
+and lock files, sweep.
+
+Everything here is real: a writer is a separate process killed with SIGKILL in the
+middle of its write. (Helpers shared by the ``test_store_*`` files: ``_store_helpers.py``.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from pathlib import Path
+
+import filelock
+import pytest
+
+# The fixtures `store` and `_not_under_mpi` (autouse: every test of this module).
+from _store_helpers import (  # noqa: F401 (the fixtures: pytest finds them here)
+    IDENT,
+    _not_under_mpi,
+    files_under,
+    key_of,
+    leftovers,
+    make_entry,
+    store_fixture,
+)
+from asyncclcache.entry import encode
+from asyncclcache.store import (
+    ENTRY_SUFFIX,
+    LOCK_SUFFIX,
+    TEMP_MAX_AGE,
+    TEMP_PREFIX,
+    TEMP_SUFFIX,
+    PublishResult,
+    Store,
+)
+
+# {{{ locks, killed writers, sweep
+
+
+CHILD_KILLED = """
+    import signal, sys
+    from asyncclcache.entry import Entry, encode
+    from asyncclcache.store import Store
+
+    directory, key = sys.argv[1:3]
+    entry = Entry(key, (b"killed writer " * 5000,), {"devices": [{"device_name": "test device"}]})
+    data = encode(entry)
+
+    def hook(tmp):
+        with open(tmp, "r+b") as f:  # half of the entry, as a write cut short leaves it
+            f.write(data[: len(data) // 2])
+        print(tmp, flush=True)  # tell the parent, then wait to be killed
+        while True:
+            signal.pause()
+
+    Store(directory).publish(entry, write_hook=hook)
+    print("not killed", flush=True)
+"""
+
+
+@pytest.fixture
+def killed_writer(cache_dir: Path) -> tuple[str, Path]:
+    """A writer SIGKILLed in the middle of writing ``key``; returns (key, its temp file)."""
+    key = key_of("killed")
+    env = dict(os.environ)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(CHILD_KILLED), str(cache_dir), key],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = proc.stdout.readline().strip()
+        assert line, proc.stderr.read()
+        tmp = Path(line)
+        assert tmp.exists()
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()  # reaped: its pid is gone, not a zombie
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    return key, tmp
+
+
+def test_killed_writer_leaves_no_visible_entry(killed_writer: tuple[str, Path]) -> None:
+    key, tmp = killed_writer
+    store = Store(tmp.parent.parent.parent)
+    assert store.root == tmp.parent.parent
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert store.load(key) is None
+        assert list(store.entries()) == []
+    assert record == []
+    assert tmp.exists()
+    assert tmp.name.startswith(TEMP_PREFIX)
+    assert tmp.name.endswith(TEMP_SUFFIX)
+    from asyncclcache.store import _HOST
+
+    assert tmp.name.startswith(f"{TEMP_PREFIX}{_HOST}-")  # the host's digest, then the pid
+    assert 0 < tmp.stat().st_size < len(encode(make_entry(key, b"killed writer " * 5000)))
+    lock = tmp.parent / f"{key}{LOCK_SUFFIX}"
+    assert lock.exists()  # the killed writer could not clean up its lock file
+    temps, locks = store.orphans()
+    assert temps == [tmp]
+    assert locks == [lock]
+    assert store.sweep() == 2
+    assert not tmp.exists()
+    assert not lock.exists()
+    assert store.orphans() == ([], [])
+    assert store.sweep() == 0
+
+
+def test_lock_of_killed_writer_does_not_block(killed_writer: tuple[str, Path]) -> None:
+    key, tmp = killed_writer
+    store = Store(tmp.parent.parent.parent)
+    lock = tmp.parent / f"{key}{LOCK_SUFFIX}"
+    assert lock.exists()
+    entry = make_entry(key, b"after the kill")
+    assert store.publish(entry) is PublishResult.WRITTEN  # flock died with the writer
+    assert store.load(key, IDENT).binaries == (b"after the kill",)
+    assert not lock.exists()  # the next writer removed it
+    assert tmp.exists()  # only sweep removes another writer's temp file
+    assert store.orphans() == ([tmp], [])
+    assert store.sweep() == 1
+    assert leftovers(store.base) == []
+    assert store.load(key, IDENT).binaries == (b"after the kill",)  # sweep kept the entry
+
+
+def test_sweep_running_alongside_never_makes_a_claim_skip(store: Store) -> None:
+    """A sweep takes each unheld lock file for a moment to probe it; a claim made at
+    that moment must still succeed (it used to skip, and the entry was not written)."""
+    stop = threading.Event()
+    sweeps = []
+
+    def sweeper() -> None:
+        while not stop.is_set():
+            sweeps.append(store.sweep())
+
+    t = threading.Thread(target=sweeper)
+    t.start()
+    skipped = 0
+    try:
+        for i in range(2000):
+            claim = store.claim(key_of(f"sweep race {i % 16}"))
+            if claim is None:
+                skipped += 1
+            else:
+                claim.release()
+    finally:
+        stop.set()
+        t.join()
+    assert len(sweeps) > 10  # the sweep really ran alongside
+    assert skipped == 0
+    assert store.orphans() == ([], [])
+
+
+def test_held_lock_means_skip(store: Store, cache_dir: Path) -> None:
+    key = key_of("held")
+    fanout = store.path_for(key).parent
+    fanout.mkdir(mode=0o700)
+    lock_path = fanout / f"{key}{LOCK_SUFFIX}"
+    other = filelock.FileLock(str(lock_path), timeout=0)  # another writer
+    other.acquire()
+    try:
+        assert store.publish(make_entry(key)) is PublishResult.SKIPPED
+        assert store.load(key) is None
+        assert store.orphans() == ([], [])  # a held lock is no orphan
+        assert store.sweep() == 0
+        assert lock_path.exists()
+    finally:
+        other.release()
+    assert store.publish(make_entry(key)) is PublishResult.WRITTEN
+    assert not lock_path.exists()
+
+
+def test_claim_holds_the_key_across_publish(store: Store) -> None:
+    """The per-key claim: one holder, others skip, publish under it keeps it held."""
+    key = key_of("claim")
+    claim = store.claim(key)
+    assert claim is not None
+    lock_path = store.path_for(key).parent / f"{key}{LOCK_SUFFIX}"
+    try:
+        assert lock_path.exists()
+        assert stat.S_IMODE(lock_path.stat().st_mode) == 0o600
+        assert store.claim(key) is None  # held
+        assert store.publish(make_entry(key, b"other")) is PublishResult.SKIPPED
+        assert store.publish(make_entry(key, b"mine"), claim=claim) is PublishResult.WRITTEN
+        assert store.claim(key) is None  # still held after the write
+        assert store.orphans() == ([], [])
+    finally:
+        claim.release()
+    claim.release()  # idempotent
+    assert not lock_path.exists()
+    assert store.load(key, IDENT).binaries == (b"mine",)
+    again = store.claim(key)
+    assert again is not None
+    again.release()
+
+
+def test_lock_files_do_not_pile_up(store: Store, cache_dir: Path) -> None:
+    keys = [key_of(f"pile {i}") for i in range(30)]
+    for k in keys:
+        assert store.publish(make_entry(k)) is PublishResult.WRITTEN
+        assert store.publish(make_entry(k, b"again")) is PublishResult.WRITTEN
+    names = [p.name for p in files_under(cache_dir)]
+    assert sorted(names) == sorted(f"{k}{ENTRY_SUFFIX}" for k in keys)
+
+
+def test_orphan_rules_for_temp_files(store: Store) -> None:
+    key = key_of("temps")
+    store.publish(make_entry(key))
+    fanout = store.path_for(key).parent
+    mine = fanout / f"{TEMP_PREFIX}{os.getpid()}-abc{TEMP_SUFFIX}"  # a live writer's
+    mine.write_bytes(b"x")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    gone = fanout / f"{TEMP_PREFIX}{int(dead.stdout)}-abc{TEMP_SUFFIX}"
+    gone.write_bytes(b"x")
+    old = fanout / f"{TEMP_PREFIX}{os.getpid()}-old{TEMP_SUFFIX}"
+    old.write_bytes(b"x")
+    t = old.stat().st_mtime - TEMP_MAX_AGE - 60
+    os.utime(old, (t, t))
+    from asyncclcache.store import _HOST
+
+    # Issue 12: another host's write in progress on a shared directory, with a PID that is
+    # dead here: it must not be swept (only once it is old).
+    other_host = "0f0f0f0f" if _HOST != "0f0f0f0f" else "1e1e1e1e"
+    remote = fanout / f"{TEMP_PREFIX}{other_host}-{int(dead.stdout)}-abc{TEMP_SUFFIX}"
+    remote.write_bytes(b"x")
+    local_dead = fanout / f"{TEMP_PREFIX}{_HOST}-{int(dead.stdout)}-abc{TEMP_SUFFIX}"
+    local_dead.write_bytes(b"x")
+    unrelated = fanout / "notes.txt"
+    unrelated.write_bytes(b"x")
+    temps, locks = store.orphans()
+    assert sorted(temps) == sorted([gone, old, local_dead])
+    assert remote not in temps
+    assert locks == []
+    assert store.sweep() == 3
+    assert mine.exists() and remote.exists()
+    assert unrelated.exists()
+    assert store.path_for(key).exists()
+
+
+# }}}
