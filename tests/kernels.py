@@ -17,7 +17,7 @@ def small_source(name: str = "twice", salt: str | None = None, repeat: int = 1) 
 
 
 def seed_source(n: int = 1000, salt: str | None = None) -> str:
-    """DESIGN.md's seed: ``c = a + b`` repeated ``n`` times. Slow to compile on purpose:
+    """docs/design.md's seed: ``c = a + b`` repeated ``n`` times. Slow to compile on purpose:
     use it only where a test needs a wide window (n=1000 is about 5 s per variant)."""
     salt = salt or uuid.uuid4().hex
     return (

@@ -1,4 +1,4 @@
-"""Strategy kcache: pocl's own kernel-cache folder is the entry (DESIGN.md F15, F16).
+"""Strategy kcache: pocl's own kernel-cache folder is the entry (docs/design.md F15, F16).
 
 Every scenario runs on real pocl, a "new node" being a child with an empty POCL_CACHE_DIR.
 """

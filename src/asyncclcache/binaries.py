@@ -1,7 +1,7 @@
 """``clGetProgramInfo(CL_PROGRAM_BINARIES)`` through ctypes, with the GIL released.
 
 pyopencl's ``get_info(BINARIES)`` holds the GIL for the whole call, and on pocl
-that call compiles (DESIGN.md F1, F2). A ctypes call releases the GIL and returns
+that call compiles (docs/design.md F1, F2). A ctypes call releases the GIL and returns
 the same bytes. The OpenCL library used is the one pyopencl itself loaded, found
 in ``/proc/self/maps``; any ICD loader would do, as calls dispatch on the object.
 """
@@ -84,7 +84,7 @@ def program_binaries(program: cl.Program | cl._cl._Program, devices: Sequence[cl
     """The program's binaries for ``devices``, in that order, without holding the GIL.
 
     Thread-safe as far as the driver is: do not call it on pocl in a process that
-    launches kernels (DESIGN.md F3, F13); pocl's strategy queries in a helper process.
+    launches kernels (docs/design.md F3, F13); pocl's strategy queries in a helper process.
     Raises :class:`BinaryQueryError`, or ``ValueError`` if a device has no binary.
     """
     ptr = program.int_ptr

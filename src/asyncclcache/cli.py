@@ -6,8 +6,8 @@ Commands: ``info``, ``list``, ``verify``, ``prune``, ``clear``, ``stats``, ``exp
 ``import`` creates a cache directory.
 
 Exit codes: 0 success; 1 ``verify`` found bad entries, or ``import`` refused an archive;
-2 usage error, or a cache directory that is missing, foreign or unusable. ``run``
-exits with the program's status.
+2 usage error, or a cache directory that is foreign or unusable (a missing one is an
+empty cache). ``run`` exits with the program's status.
 """
 
 from __future__ import annotations
@@ -396,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="asyncclcache",
         description="Inspect and maintain the asyncclcache binary cache.",
         epilog="Exit codes: 0 ok, 1 verify found bad entries or import refused an archive, "
-        "2 usage error or a missing, foreign or unusable cache directory; run: the program's.",
+        "2 usage error or a foreign or unusable cache directory (a missing one is empty); "
+        "run: the program's.",
     )
     parser.add_argument("--version", action="version", version=f"asyncclcache {__version__}")
     common = argparse.ArgumentParser(add_help=False)

@@ -2,7 +2,7 @@
 
 ``build()`` looks the key up (memory, then disk). On a hit it creates the program
 from the stored binaries; on a miss it does a plain source build (never with
-pyopencl's cache-defeating uuid, DESIGN.md F6), returns at once and leaves the
+pyopencl's cache-defeating uuid, docs/design.md F6), returns at once and leaves the
 binaries to the cache's background work (:meth:`Cache._schedule`).
 """
 

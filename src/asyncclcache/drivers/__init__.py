@@ -43,7 +43,7 @@ POCL_PLATFORM_NAME = "Portable Computing Language"
 
 
 def is_pocl_cpu(device: cl.Device) -> bool:
-    """True for pocl's CPU devices, whose binary query compiles (DESIGN.md F1)."""
+    """True for pocl's CPU devices, whose binary query compiles (docs/design.md F1)."""
     import pyopencl as cl
 
     return device.platform.name == POCL_PLATFORM_NAME and bool(device.type & cl.device_type.CPU)
@@ -97,14 +97,14 @@ def auto_reason(devices: Sequence[cl.Device]) -> str:
     if strategy == "kcache":
         return (
             "pocl's CPU device keeps each program's compiled variants in its kernel cache, and "
-            "that folder, restored on a new node, compiles nothing (DESIGN.md F15, F16): the "
+            "that folder, restored on a new node, compiles nothing (docs/design.md F15, F16): the "
             "entry stores those files, so the cache itself compiles nothing"
         )
     if strategy == "process":
         return (
             "pocl's kernel cache is off (POCL_KERNEL_CACHE=0), and pocl's CPU device compiles a "
             "second, generic variant when asked for its binary under a process-wide lock that "
-            "stalls every launch (DESIGN.md F1, F3), so a lowest-priority helper process does the query"
+            "stalls every launch (docs/design.md F1, F3), so a lowest-priority helper process does the query"
         )
     names = ", ".join(sorted({d.platform.name for d in devices}))
     return (

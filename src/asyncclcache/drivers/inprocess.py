@@ -1,6 +1,6 @@
 """Strategies that query binaries in this process: ``thread`` and ``sync``.
 
-Right for drivers whose binary query is a copy (NVIDIA: 0.1 ms, DESIGN.md F7).
+Right for drivers whose binary query is a copy (NVIDIA: 0.1 ms, docs/design.md F7).
 On pocl the query compiles and blocks every launch in the process (F3) and can
 abort pocl 3.1 (F13): use the helper process there.
 """

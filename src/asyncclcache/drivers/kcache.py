@@ -2,7 +2,7 @@
 
 pocl keeps each program it builds at ``<POCL_CACHE_DIR>/<XX>/<hash>/``: ``program.bc``,
 ``last_accessed`` and ``<kernel>/<variant>/<kernel>.so`` for every variant launched.
-Every build of the program touches ``last_accessed`` (DESIGN.md F15). That folder,
+Every build of the program touches ``last_accessed`` (docs/design.md F15). That folder,
 put into an empty kernel cache on a new node, is used as it is: the build skips the
 front end and the first launch compiles nothing (F16). So nothing is compiled for
 the cache at all: no binary query, no generic variant, no helper.

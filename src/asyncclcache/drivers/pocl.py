@@ -1,7 +1,7 @@
 """Strategy ``process``: pocl's binary work in a long-lived helper process.
 
 On pocl's CPU devices the binary query compiles a generic variant of every
-kernel (DESIGN.md F1), under a process-wide lock that every launch needs (F3),
+kernel (docs/design.md F1), under a process-wide lock that every launch needs (F3),
 and racing a launch it can abort pocl 3.1 (F13). So the main process never
 queries. A helper process, sharing ``POCL_CACHE_DIR`` through the inherited
 environment, builds the same source in a fresh program object and queries there

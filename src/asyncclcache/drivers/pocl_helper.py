@@ -3,7 +3,7 @@
 For each request it builds the given source and options on the given devices, in
 a fresh program object, and returns ``clGetProgramInfo(BINARIES)``. On pocl the
 first such query compiles the generic variant into pocl's kernel cache (the
-warm-up, DESIGN.md F4); a later one packs every variant the main process has
+warm-up, docs/design.md F4); a later one packs every variant the main process has
 compiled since (the snapshot, F11, F14). It runs at the lowest CPU priority and
 exits when its parent does.
 """
