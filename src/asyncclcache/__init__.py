@@ -24,8 +24,6 @@ from .errors import (
     BackgroundError,
     BinaryRejectedWarning,
     CacheDirWarning,
-    CacheDisabledWarning,
-    ClosedError,
     CorruptEntryWarning,
     InsecureCacheWarning,
     WriteFailedWarning,
@@ -33,12 +31,13 @@ from .errors import (
 
 TYPE_CHECKING = False  # typing's costs 5-15 ms at start-up (see _startup.py)
 if TYPE_CHECKING:
-    from .cache import Cache, Stats, Step, default_cache, step
+    from .cache import Cache, Step, default_cache, step
     from .program import Program, install, installed, is_installed, uninstall
+    from .stats import Stats
 
 _LAZY = {
     "Cache": "cache",
-    "Stats": "cache",
+    "Stats": "stats",
     "Step": "cache",
     "default_cache": "cache",
     "step": "cache",
@@ -72,8 +71,6 @@ __all__ = [
     "BinaryRejectedWarning",
     "Cache",
     "CacheDirWarning",
-    "CacheDisabledWarning",
-    "ClosedError",
     "CorruptEntryWarning",
     "InsecureCacheWarning",
     "Program",

@@ -94,7 +94,7 @@ class _PyopenclFinder:  # a meta path finder (importlib.abc would cost 20 ms to 
         self._remove()
         loader = spec.loader
         exec_module = getattr(loader, "exec_module", None)
-        if exec_module is None:
+        if loader is None or exec_module is None:
             return spec
         # The real loader stays the spec's loader (importlib.resources asks it for pyopencl's
         # headers); only this instance's exec_module gains a step after it.
@@ -103,7 +103,7 @@ class _PyopenclFinder:  # a meta path finder (importlib.abc would cost 20 ms to 
             exec_module(module)
             _install()
 
-        loader.exec_module = exec_then_install
+        loader.exec_module = exec_then_install  # type: ignore[method-assign]
         return spec
 
     def _remove(self) -> None:

@@ -107,8 +107,9 @@ def export_archive(
     fd, tmp = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.",
                                suffix=".partial")
     try:
-        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode=f"w:{mode}" if mode else "w",
-                                                      format=tarfile.PAX_FORMAT) as tar:
+        with os.fdopen(fd, "wb") as f, tarfile.open(  # type: ignore[call-overload]
+            fileobj=f, mode=f"w:{mode}" if mode else "w", format=tarfile.PAX_FORMAT
+        ) as tar:
             for store in stores:
                 for name, data, mtime in _entries(store, device, result):
                     info = tarfile.TarInfo(name)
@@ -137,7 +138,7 @@ def _entries(store: Store, device: str | None, result: ExportResult) -> Iterator
                 result.damaged.append(f"{e.path}: {r.problem}")
             continue
         if device is not None:
-            names = [str(d.get("device_name", "")) for d in r.entry.meta.get("devices", [])]
+            names = [d.get("device_name", "") for d in r.entry.meta.devices]
             if not any(device.lower() in n.lower() for n in names):
                 continue
         yield f"{prefix}/{e.key[:2]}/{e.key}.acl", r.data, e.mtime
@@ -200,11 +201,9 @@ def _merge(store: Store, m: _Member, data: bytes, result: ImportResult) -> None:
         return
     try:
         present = store.read(m.key)
-        if present.entry is not None:
-            created = present.entry.meta.get("created")
-            if isinstance(created, (int, float)) and created >= m.created:
-                result.kept += 1
-                return
+        if present.entry is not None and present.entry.meta.created >= m.created:
+            result.kept += 1
+            return
         if present.insecure:
             result.unsafe.append(f"{store.path_for(m.key)}: {present.problem}")
             return
@@ -259,10 +258,8 @@ def _check_archive(archive: str | os.PathLike[str]) -> tuple[list[_Member], int]
                 entry = check_data(key, data)
             except EntryFormatError as e:
                 raise ArchiveError(f"{where}: damaged entry: {e}") from None
-            created = entry.meta.get("created")
             members.append(_Member(name, None if rank is None else int(rank), key,
-                                   hashlib.blake2b(data).digest(),
-                                   float(created) if isinstance(created, (int, float)) else 0.0))
+                                   hashlib.blake2b(data).digest(), float(entry.meta.created)))
     return members, ignored
 
 

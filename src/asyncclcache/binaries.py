@@ -12,7 +12,7 @@ import ctypes
 import ctypes.util
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pyopencl as cl
@@ -71,7 +71,7 @@ def _opencl() -> ctypes.CDLL:
         return _lib
 
 
-def _info(prg: int, param: int, size: int, value: ctypes.c_void_p | ctypes.Array, what: str) -> None:
+def _info(prg: int, param: int, size: int, value: Any, what: str) -> None:  # value: a ctypes object
     # ctypes.CDLL functions release the GIL for the duration of the call.
     status = _opencl().clGetProgramInfo(
         ctypes.c_void_p(prg), param, size, ctypes.cast(value, ctypes.c_void_p), None

@@ -1,43 +1,39 @@
-"""The cache: looks entries up, schedules the binary work, owns ``step()`` and ``flush()``.
+"""The cache: the public API (:class:`Cache`, ``step()``, ``flush()``) and its wiring.
 
-Where a binary goes after ``build()``: :mod:`.program` builds and calls
-:meth:`Cache._schedule`; a driver from :mod:`.drivers` retrieves the binaries off
-the caller's thread; :meth:`Cache._publish` hands them to :class:`.store.Store`
-on a worker thread, which writes them atomically under a per-key lock.
+Where a binary goes after ``build()``: :mod:`.program` builds, then tells the cache
+through its build interface (:meth:`Cache.lookup`, :meth:`Cache.record_hit`,
+:meth:`Cache.record_miss`, :meth:`Cache.reject`); a miss becomes a job of the
+:class:`~.pipeline.Pipeline`, which a driver from :mod:`.drivers` serves off the
+caller's thread and :class:`~.store.Store` writes under a per-key lock.
 """
 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import math
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from . import _version, lifetime
 from .config import STRATEGIES, get_config, parse_size
-from .drivers import Driver, Dropped, Job, Lost, Purpose, Snapshot, make_driver, resolve_strategy
+from .drivers import Driver, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
-from .errors import BackgroundError, WriteFailedWarning
-from .store import PublishResult, Store
+from .errors import BackgroundError
+from .pipeline import Pipeline
+from .stats import Counters, Stats
+from .store import Store
 from .workers import Workers
 
 if TYPE_CHECKING:
-    import os
-
     import pyopencl as cl
 
     from .keys import KeyInfo
-    from .program import Program
 
 __all__ = ["Cache", "Stats", "Step", "close_all", "default_cache", "step"]
 
@@ -45,65 +41,6 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of entries kept in memory for repeated builds in one process.
 MEMORY_BUDGET = 64 << 20
-#: Programs whose jobs are kept (for refreshes) per cache; the oldest go first.
-MAX_JOBS = 4096
-
-
-@dataclass(frozen=True)
-class Stats:
-    """Counters of one :class:`Cache` in this process (a snapshot; immutable)."""
-
-    hits: int = 0
-    misses: int = 0
-    writes: int = 0
-    write_errors: int = 0
-    skipped: int = 0  # writes skipped: another process held the key, or shut down first
-    pending: int = 0  # background retrievals and writes not finished yet
-    bytes_written: int = 0
-    warmups: int = 0  # first binary queries in the helper (pocl's generic compile)
-    refreshes: int = 0  # entries rewritten because the program gained variants
-    rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
-    unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
-    uncacheable: int = 0  # builds not cached: an #include that cannot be resolved for certain
-    errors: int = 0  # background failures (logged)
-    evictions: int = 0  # entries removed to keep the directory under max_size
-    seconds_saved: float = 0.0  # estimated compile time that hits avoided
-    main_thread_seconds: float = 0.0  # time the cache spent in callers' threads
-    background_cpu_seconds: float = 0.0  # CPU time of the cache's own threads (not a helper's)
-
-    def line(self, label: str = "asyncclcache") -> str:
-        """One line, as ``ccache -s`` would say it: for a log, or the job's exit summary.
-
-        Counters that are usually zero (errors, skipped, rejected, ...) appear when not.
-        """
-        text = (
-            f"{label}: {self.hits} hits, {self.misses} misses, {self.writes} writes "
-            f"({self.bytes_written / 1e6:.1f} MB), {self.seconds_saved:.1f} s saved, "
-            f"{self.pending} pending"
-        )
-        extra = [
-            f"{getattr(self, name)} {name.replace('_', ' ')}"
-            for name in ("warmups", "refreshes", "skipped", "rejected", "uncacheable",
-                         "unidentified", "write_errors", "errors")
-            if getattr(self, name)
-        ]
-        return text + (f" ({', '.join(extra)})" if extra else "")
-
-    @classmethod
-    def from_values(cls, values: dict[str, float]) -> Stats:
-        """From field name -> number (counts rounded to int), e.g. summed over ranks."""
-        ints = {f.name for f in fields(cls) if f.type in ("int", int)}
-        return cls(**{k: (round(v) if k in ints else float(v)) for k, v in values.items()})
-
-    def __add__(self, other: Stats) -> Stats:
-        """Counters summed (over caches, processes or ranks)."""
-        if not isinstance(other, Stats):
-            return NotImplemented
-        return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
-    def as_dict(self) -> dict[str, float]:
-        """The counters as a plain dict (stable field names, for JSON)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class Step:
@@ -154,6 +91,9 @@ class Cache:
     :arg max_size: bound of the directory in bytes (or ``"500M"``); least recently used
         entries are evicted by the background writer. Default ``ASYNCCLCACHE_MAX_SIZE``.
     :arg exit_timeout: seconds :meth:`close` (and interpreter exit) waits for pending work.
+
+    Programs build through it with ``asyncclcache.Program(ctx, source, cache=cache)``
+    or :func:`asyncclcache.install`.
     """
 
     def __init__(
@@ -181,57 +121,34 @@ class Cache:
             raise ValueError(f"exit_timeout must be a finite number of seconds >= 0, got {exit_timeout!r}")
         self.max_size = parse_size(max_size) if max_size is not None else cfg.max_size
         self.store = Store(directory, rank_local=rank_local)
-        self._size_estimate: int | None = None  # bytes on disk, scanned once, then tracked
-        self._saved_counts: dict[str, float] = {}  # what lifetime stats already hold
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)
-        self._counts: dict[str, float] = {f.name: 0 for f in fields(Stats)}
-        self._pending = 0
-        self._memory: OrderedDict[str, Entry] = OrderedDict()
-        self._memory_bytes = 0
-        # key -> job, for programs built by this process (the newest MAX_JOBS: refreshable)
-        self._jobs: OrderedDict[str, Job] = OrderedDict()
-        self._inflight: set[str] = set()
-        self._refreshable: set[str] = set()
-        self._errors: list[BaseException] = []
-        self._steps: list[Step] = []
-        self._drivers: dict[str, Driver] = {}
-        self._driver_by_devices: dict[tuple[int, ...], Driver] = {}
         self._nworkers = max(1, workers)
-        self._workers = self._new_workers()
+        self._start_fresh()
         self._closed = False
-        self._swept = False
         _CACHES.add(self)
         if cfg.stats:
             from . import summary
 
             summary.register()
 
+    def _start_fresh(self) -> None:
+        # At creation, and in a forked child: the parent's threads, helper and pending work
+        # did not come along. Its claims (flocks) are shared with the parent: left alone.
+        self._lock = threading.RLock()
+        self._counters = Counters()
+        self._memory: OrderedDict[str, Entry] = OrderedDict()
+        self._memory_bytes = 0
+        self._steps: list[Step] = []
+        self._drivers: dict[str, Driver] = {}
+        self._driver_by_devices: dict[tuple[int, ...], Driver] = {}
+        self._workers = Workers(
+            self._nworkers, "asyncclcache-writer", self._background_error,
+            lambda s: self._counters.add("background_cpu_seconds", s),
+        )
+        self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
+                                  on_written=self._remember)
+
     def __repr__(self) -> str:
         return f"Cache({str(self.store.root)!r}, strategy={self.strategy!r})"
-
-    def _new_workers(self) -> Workers:
-        return Workers(
-            self._nworkers, "asyncclcache-writer", self._background_error,
-            lambda s: self._count("background_cpu_seconds", s),
-        )
-
-    def _after_fork_in_child(self) -> None:
-        # The parent's threads, helper and pending work did not come along: start clean.
-        # Its claims (flocks) are shared with the parent, so they are left alone, not released.
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)
-        self._counts = {f.name: 0 for f in fields(Stats)}
-        self._saved_counts = {}
-        self._pending = 0
-        self._jobs = OrderedDict()
-        self._inflight = set()
-        self._refreshable = set()
-        self._errors = []
-        self._steps = []
-        self._drivers = {}
-        self._driver_by_devices = {}
-        self._workers = self._new_workers()
 
     # {{{ public API
 
@@ -240,11 +157,10 @@ class Cache:
         """The directory entries are written to (rank-local where that applies)."""
         return str(self.store.root)
 
-    def program(self, context: cl.Context, source: str | bytes) -> Program:
-        """A :class:`asyncclcache.Program` that builds through this cache."""
-        from .program import Program
-
-        return Program(context, source, cache=self)
+    @property
+    def active(self) -> bool:
+        """False when disabled (``ASYNCCLCACHE_DISABLE``) or closed: builds are plain."""
+        return not (self.disabled or self._closed)
 
     def stats(self, comm: Any = None) -> Stats:
         """This process's counters for this cache. Thread-safe.
@@ -252,18 +168,17 @@ class Cache:
         With an mpi4py communicator ``comm``, the counters summed over its ranks
         (a collective call: every rank of ``comm`` must make it).
         """
-        with self._lock:
-            counts = dict(self._counts, pending=self._pending)
-        if comm is not None:
-            import numpy as np
-            from mpi4py import MPI
+        mine = self._counters.snapshot(pending=self._pipeline.pending)
+        if comm is None:
+            return mine
+        import numpy as np
+        from mpi4py import MPI
 
-            names = [f.name for f in fields(Stats)]
-            mine = np.array([counts[n] for n in names], dtype=np.float64)
-            total = np.empty_like(mine)
-            comm.Allreduce(mine, total, op=MPI.SUM)
-            counts = dict(zip(names, total.tolist(), strict=True))
-        return Stats.from_values(counts)
+        values = mine.as_dict()
+        local = np.array(list(values.values()), dtype=np.float64)
+        total = np.empty_like(local)
+        comm.Allreduce(local, total, op=MPI.SUM)
+        return Stats.from_values(dict(zip(values, total.tolist(), strict=True)))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until background work is done; True when nothing is pending any more.
@@ -278,16 +193,10 @@ class Cache:
             drivers = list(self._drivers.values())
         for d in drivers:
             d.hurry()
-        self._refresh()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._pending:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._idle.wait(remaining)
-            done = self._pending == 0
-            errors, self._errors = self._errors, []
+        if not self._closed:
+            self._pipeline.refresh()
+        done = self._pipeline.wait(timeout)
+        errors = self._pipeline.take_errors()
         self._save_lifetime()
         if errors and self.failure_fatal:
             raise BackgroundError(f"{len(errors)} background failure(s): {errors[0]!r}") from errors[0]
@@ -310,13 +219,14 @@ class Cache:
         with self._lock:
             self._closed = True
             drivers = list(self._drivers.values())
+        self._pipeline.close()
         for d in drivers:
             d.close(1.0)
         self._workers.stop(1.0)
         self._save_lifetime()
-        _CLOSED.append((self.directory, self.stats()))
         if not done:
-            logger.info("asyncclcache: exit with %d jobs pending: dropped", self._pending)
+            logger.info("asyncclcache: exit with %d jobs pending: dropped", self._pipeline.pending)
+        _CLOSED.append((self.directory, self.stats()))
         return done
 
     @contextmanager
@@ -339,62 +249,9 @@ class Cache:
                 self._steps.remove(s)
                 jobs, s.jobs = s.jobs, []
             for job in jobs:
-                self._fetch(job, Purpose.SNAPSHOT_NOW)
+                self._pipeline.fetch(job, Purpose.SNAPSHOT_NOW)
             if wait:
                 self.flush()
-
-    # }}}
-
-    # {{{ used by Program.build
-
-    def _count(self, name: str, n: float = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
-    @property
-    def active(self) -> bool:
-        return not (self.disabled or self._closed)
-
-    def _lookup(self, info: KeyInfo) -> Entry | None:
-        with self._lock:
-            entry = self._memory.get(info.key)
-            if entry is not None:
-                self._memory.move_to_end(info.key)
-                return entry
-        entry = self.store.load(info.key, info.devices)
-        if entry is not None:
-            self._remember(entry)
-        return entry
-
-    def _remember(self, entry: Entry) -> None:
-        with self._lock:
-            if entry.key in self._memory:
-                return
-            self._memory[entry.key] = entry
-            self._memory_bytes += entry.nbytes
-            while self._memory_bytes > MEMORY_BUDGET and len(self._memory) > 1:
-                _, old = self._memory.popitem(last=False)
-                self._memory_bytes -= old.nbytes
-
-    def _forget(self, key: str) -> None:
-        with self._lock:
-            old = self._memory.pop(key, None)
-            if old is not None:
-                self._memory_bytes -= old.nbytes
-        self.store.remove(key)
-
-    def _record_build(self, hit: bool, entry: Entry | None = None, seconds: float = 0.0) -> None:
-        with self._lock:
-            self._counts["hits" if hit else "misses"] += 1
-            if entry is not None:
-                compile_seconds = entry.meta.get("compile_seconds")
-                if isinstance(compile_seconds, (int, float)):
-                    self._counts["seconds_saved"] += max(0.0, compile_seconds - seconds)
-            if self._steps:
-                self._steps[-1]._count(hit)
-        if entry is not None and self.store.writable:
-            # LRU bookkeeping: a cheap utime, off the caller's thread.
-            self._workers.submit(lambda: self.store.touch(entry.key))
 
     def driver_for(self, devices: Sequence[cl.Device]) -> Driver:
         """The driver that handles builds for ``devices`` (created on first use). Thread-safe."""
@@ -410,32 +267,69 @@ class Cache:
             d = self._drivers.get(name)
             if d is None:
                 d = make_driver(name, self._workers)
-                d.on_cpu = lambda s: self._count("background_cpu_seconds", s)
+                d.on_cpu = lambda s: self._counters.add("background_cpu_seconds", s)
                 self._drivers[name] = d
             self._driver_by_devices[ids] = d
             return d
 
-    def _schedule(
-        self,
-        program: cl._cl._Program,
-        info: KeyInfo,
-        source: bytes,
-        devices: Sequence[cl.Device],
-        logs: list[str],
-        looked_up_at: float,
-        *,
-        kernels: Sequence[str] = (),
-        build_seconds: float = 0.0,
-        built_from: float = 0.0,
-        built_to: float = 0.0,
+    @property
+    def drivers(self) -> dict[str, Driver]:
+        """The drivers created so far, by strategy name (a copy)."""
+        with self._lock:
+            return dict(self._drivers)
+
+    # }}}
+
+    # {{{ the build interface (asyncclcache.program): cheap, on the caller's thread
+
+    def lookup(self, info: KeyInfo) -> Entry | None:
+        """The entry for ``info``'s key: from memory, else read and checked from disk."""
+        with self._lock:
+            entry = self._memory.get(info.key)
+            if entry is not None:
+                self._memory.move_to_end(info.key)
+                return entry
+        entry = self.store.load(info.key, info.devices)
+        if entry is not None:
+            self._remember(entry)
+        return entry
+
+    def record_hit(
+        self, info: KeyInfo, entry: Entry, seconds: float, *, source: bytes,
+        devices: Sequence[cl.Device], folders: Sequence[str] = (),
     ) -> None:
-        """A miss was built: retrieve and write its binaries later. Caller's thread; cheap.
+        """A program was built from ``entry`` in ``seconds``. A driver that can tell cheaply
+        when the program gains variants (kcache) gets it watched, for a refresh at flush."""
+        self._counters.add("hits")
+        self._counters.add("seconds_saved", max(0.0, entry.meta.compile_seconds - seconds))
+        self._count_in_step(hit=True)
+        if not (self.active and self.store.writable):
+            return
+        # LRU bookkeeping: a cheap utime, off the caller's thread.
+        self._workers.submit(lambda: self.store.touch(entry.key))
+        driver = self.driver_for(devices)
+        if driver.watches_hits:
+            meta = entry.meta
+            self._pipeline.watch(Job(
+                info, source, info.options, devices, list(meta.build_logs), driver,
+                kernels=tuple(meta.kernels), created=time.time(), build_seconds=meta.compile_seconds,
+                folders=tuple(folders), written_files=frozenset(meta.files or ()),
+            ))
+
+    def record_miss(
+        self, program: Any, info: KeyInfo, *, source: bytes, devices: Sequence[cl.Device],
+        logs: list[str], kernels: Sequence[str], looked_up_at: float, build_seconds: float,
+        built_from: float, built_to: float,
+    ) -> None:
+        """``program`` was built from source: its entry is written later, in the background.
 
         ``looked_up_at`` (``time.time()`` before the lookup) lets a process skip a key
         that another process wrote after this one missed it; ``built_from``/``built_to``
         (``time.time()``) bracket the source build.
         """
-        if not self.active or not self.store.writable:
+        self._counters.add("misses")
+        self._count_in_step(hit=False)
+        if not (self.active and self.store.writable):
             return
         driver = self.driver_for(devices)
         job = Job(
@@ -444,275 +338,65 @@ class Cache:
             built_to=built_to, build_seconds=build_seconds,
         )
         if driver.needs_program:
-            job.program = program  # keep it alive until its binaries are taken
+            job.program = program  # kept alive until its binaries are taken
+        if not self._pipeline.add(job):
+            return  # the same program is already on its way
         with self._lock:
-            if info.key in self._jobs and info.key in self._inflight:
-                return  # the same program is already on its way
-            self._keep_job(job)
             step = self._steps[-1] if self._steps else None
             if step is not None:
                 step.jobs.append(job)
-        if not self._swept:
-            self._swept = True
-            self._workers.submit(self.store.sweep)
         driver.built(job)
         if step is None:
-            self._fetch(job, Purpose.SNAPSHOT)
+            self._pipeline.fetch(job, Purpose.SNAPSHOT)
         elif driver.warms_up:
             # The warm-up may run now, in the other process; the snapshot waits for the step.
-            self._fetch(job, Purpose.WARMUP)
+            self._pipeline.fetch(job, Purpose.WARMUP)
 
-    def _keep_job(self, job: Job) -> None:
-        # Under self._lock. Bounded: a process that builds thousands of programs keeps the
-        # newest; an older one only loses its refresh (a later run compiles that variant).
-        self._jobs[job.key] = job
-        self._jobs.move_to_end(job.key)
-        if len(self._jobs) > MAX_JOBS:
-            for key in list(self._jobs):
-                if len(self._jobs) <= MAX_JOBS:
-                    break
-                if key not in self._inflight:
-                    del self._jobs[key]
-                    self._refreshable.discard(key)
-
-    def _watch(self, info: KeyInfo, source: bytes, devices: Sequence[cl.Device], entry: Entry,
-               folders: Sequence[str]) -> None:
-        """A hit whose driver can tell cheaply when it gained variants: refresh it at flush."""
-        if not self.active or not self.store.writable:
-            return
-        driver = self.driver_for(devices)
-        meta = entry.meta
-        job = Job(
-            info, source, info.options, devices, list(meta.get("build_logs") or []), driver,
-            kernels=tuple(meta.get("kernels") or ()), created=time.time(),
-            build_seconds=float(meta.get("compile_seconds") or 0.0), folders=tuple(folders),
-            written_files=frozenset(meta.get("files") or ()),
-        )
+    def reject(self, info: KeyInfo) -> None:
+        """The driver refused the stored entry for ``info``: count it, forget it (memory
+        and disk); the rebuilt program's entry replaces it."""
+        self._counters.add("rejected")
         with self._lock:
-            if info.key in self._inflight:
-                return
-            self._keep_job(job)
-            self._refreshable.add(info.key)
+            old = self._memory.pop(info.key, None)
+            if old is not None:
+                self._memory_bytes -= old.nbytes
+        self.store.remove(info.key)
+
+    def record_uncacheable(self) -> None:
+        """A program built plainly because its key could not be known for certain."""
+        self._counters.add("uncacheable")
+
+    def record_overhead(self, seconds: float) -> None:
+        """Time the cache spent in a caller's thread (lookups, scheduling)."""
+        self._counters.add("main_thread_seconds", seconds)
 
     # }}}
 
-    # {{{ background
+    # {{{ wiring
 
-    def _fetch(self, job: Job, purpose: Purpose) -> None:
+    def _count_in_step(self, hit: bool) -> None:
         with self._lock:
-            if self._closed or job.yielded:
-                return
-            self._pending += 1
-            self._inflight.add(job.key)
-        if job.driver.inline:
-            self._start(job, purpose)
-        else:
-            # Claiming touches the disk: not on the caller's thread.
-            self._workers.submit(lambda: self._start(job, purpose))
+            if self._steps:
+                self._steps[-1]._count(hit)
 
-    def _start(self, job: Job, purpose: Purpose) -> None:
-        if job.claim is None:
-            try:
-                claim = self.store.claim(job.key)
-            except OSError as e:
-                try:
-                    self._write_failed(job, e)
-                finally:
-                    self._done(job)
-                return
-            if claim is None or (purpose is not Purpose.REFRESH and self._written_since(job)):
-                # Another process (rank) works on this key, or already wrote it: skip.
-                if claim is not None:
-                    claim.release()
-                with self._lock:
-                    job.yielded = True
-                    self._counts["skipped"] += 1
-                self._done(job)
-                return
-            job.claim = claim
-        job.driver.fetch(job, purpose, lambda snap, error: self._fetched(job, purpose, snap, error))
-
-    def _written_since(self, job: Job) -> bool:
-        try:
-            return self.store.path_for(job.key).stat().st_mtime >= job.created
-        except OSError:
-            return False
-
-    def _release_claim(self, job: Job) -> None:
-        claim, job.claim = job.claim, None
-        if claim is not None:
-            claim.release()
-
-    def _fetched(
-        self, job: Job, purpose: Purpose, snap: Snapshot | None, error: BaseException | None
-    ) -> None:
-        # Runs in a driver's thread: hand disk I/O to the writers.
+    def _remember(self, entry: Entry) -> None:
         with self._lock:
-            first = job.fetches == 0
-            job.fetches += 1
-            if first and job.driver.warms_up and error is None:
-                self._counts["warmups"] += 1
-        if error is not None:
-            self._release_claim(job)
-            if isinstance(error, Dropped):
-                self._count("skipped")  # shut down first: not a failure
-            elif isinstance(error, Lost):
-                self._count("unidentified")  # nothing to store: counted, not a failure
-                logger.info("asyncclcache: %s (%s)", error, job.key[:12])
-            else:
-                self._background_error(error)
-            self._done(job)
-            return
-        assert snap is not None
-        if purpose is Purpose.WARMUP:
-            self._done(job)
-            return
-        self._workers.submit(lambda: self._publish(job, purpose, snap))
-
-    def _publish(self, job: Job, purpose: Purpose, snap: Snapshot) -> None:
-        try:
-            h = hashlib.blake2b(digest_size=16)
-            for name in snap.files or ():
-                h.update(name.encode() + b"\0")
-            for blob in snap.blobs:
-                h.update(len(blob).to_bytes(8, "little") + blob)
-            digest = h.hexdigest()
-            if purpose is Purpose.REFRESH and digest == job.written_digest:
+            if entry.key in self._memory:
                 return
-            with self._lock:
-                closed = self._closed
-            if closed:
-                self._count("skipped")
-                return
-            meta: dict[str, Any] = {"kind": job.driver.kind}
-            if snap.files is not None:
-                meta["files"] = list(snap.files)
-            entry = Entry(
-                job.key,
-                tuple(snap.blobs),
-                {
-                    **meta,
-                    "devices": list(job.info.devices),
-                    "options": job.options.decode("utf-8", "surrogateescape"),
-                    "source_sha256": job.info.source_sha256,
-                    "includes": [[d.path, d.sha256] for d in job.info.deps],
-                    "build_logs": job.logs,
-                    "created": time.time(),
-                    "snapshot": purpose.value,
-                    "strategy": job.driver.name,
-                    "asyncclcache": _version.__version__,
-                    "kernels": list(job.kernels),
-                    # What a hit saves: the source build plus one code generation (the
-                    # helper's warm-up measures one; the launch's costs about the same).
-                    "compile_seconds": job.build_seconds + (job.warmup_seconds or 0.0),
-                },
-            )
-            try:
-                result = self.store.publish(entry, claim=job.claim)
-            except OSError as e:
-                self._write_failed(job, e)
-                return
-            if result is PublishResult.WRITTEN:
-                with self._lock:
-                    self._counts["writes"] += 1
-                    self._counts["bytes_written"] += entry.nbytes
-                    if purpose is Purpose.REFRESH:
-                        self._counts["refreshes"] += 1
-                    job.written_digest = digest
-                    if snap.files is not None:
-                        job.written_files = frozenset(snap.files)
-                        job.folders = tuple(snap.folders or job.folders or ())
-                    if job.driver.refreshable:
-                        self._refreshable.add(job.key)
-                    # The in-process program is no longer needed.
-                    job.program = None
-                self._remember(entry)
-                self._keep_under_max_size(entry.nbytes)
-            elif result is PublishResult.SKIPPED:
-                self._count("skipped")
-        finally:
-            self._release_claim(job)
-            self._done(job)
-
-    def _keep_under_max_size(self, added: int) -> None:
-        # Writer thread only. A full scan once, then a running estimate; prune (a scan) only
-        # when the estimate says the bound is crossed.
-        if not self.max_size:
-            return
-        if self._size_estimate is None:
-            self._size_estimate = self.store.total_bytes()
-        else:
-            self._size_estimate += added
-        if self._size_estimate <= self.max_size:
-            return
-        result = self.store.prune(max_size=self.max_size)
-        if result.ran:
-            self._size_estimate = result.remaining
-            self._count("evictions", result.removed)
+            self._memory[entry.key] = entry
+            self._memory_bytes += entry.nbytes
+            while self._memory_bytes > MEMORY_BUDGET and len(self._memory) > 1:
+                _, old = self._memory.popitem(last=False)
+                self._memory_bytes -= old.nbytes
 
     def _save_lifetime(self) -> None:
-        """Add what this process counted since the last save to the directory's lifetime
-        counters (bounded lock wait; a busy lock means: next time)."""
-        if not self.store.writable:
-            return
-        with self._lock:
-            now = {k: v for k, v in self._counts.items() if k in lifetime.FIELDS}
-            deltas = {k: v - self._saved_counts.get(k, 0) for k, v in now.items()}
-            first = not self._saved_counts
-        if not any(deltas.values()):
-            return
-        if first:
-            deltas["runs"] = 1
-        if lifetime.add(self.store.root, deltas, timeout=1.0):
-            with self._lock:
-                self._saved_counts = now
+        if self.store.writable:
+            self._counters.save_lifetime(self.store.root)
 
-    def _write_failed(self, job: Job, e: OSError) -> None:
-        self._count("write_errors")
-        self._background_error(e, count=False)
-        _warn(
-            f"asyncclcache: could not write entry {job.key[:12]} to {self.store.root}: "
-            f"{e.strerror or e}",
-            WriteFailedWarning,
-        )
-
-    def _done(self, job: Job) -> None:
-        with self._idle:
-            self._pending -= 1
-            self._inflight.discard(job.key)
-            if self._pending == 0:
-                self._idle.notify_all()
-
-    def _refresh(self) -> None:
-        """Re-snapshot entries whose programs gained variants since (the driver tells which)."""
-        with self._lock:
-            if self._closed:
-                return
-            keys = [k for k in self._refreshable if k not in self._inflight]
-            jobs = [self._jobs[k] for k in keys if k in self._jobs]
-        by_driver: dict[int, list[Job]] = {}
-        for job in jobs:
-            by_driver.setdefault(id(job.driver), []).append(job)
-        for group in by_driver.values():
-            for job in group[0].driver.stale(group):
-                self._fetch(job, Purpose.REFRESH)
-
-    def _background_error(self, error: BaseException, *, count: bool = True) -> None:
-        logger.warning("asyncclcache background failure: %s", error)
-        with self._lock:
-            if count:
-                self._counts["errors"] += 1
-            self._errors.append(error)
+    def _background_error(self, error: BaseException) -> None:
+        self._pipeline.error(error)
 
     # }}}
-
-
-def _warn(message: str, category: type[Warning]) -> None:
-    # From a background thread: a warnings filter set to "error" must not break bookkeeping.
-    try:
-        warnings.warn(message, category, stacklevel=3)
-    except Exception:  # noqa: BLE001
-        logger.warning("%s", message)
 
 
 _default: Cache | None = None
@@ -739,7 +423,7 @@ def _after_fork_in_child() -> None:
     _default_lock = threading.Lock()
     _CLOSED.clear()  # the parent's, reported by the parent
     for cache in list(_CACHES):
-        cache._after_fork_in_child()
+        cache._start_fresh()
 
 
 if hasattr(os, "register_at_fork"):

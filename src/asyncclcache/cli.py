@@ -94,14 +94,14 @@ def _stores(args: argparse.Namespace) -> list[Any]:
 
 def _check_base(base: Path) -> Path:
     """``base/v<N>``; a usage error if ``base`` exists and is not a cache directory we may use."""
+    from .fileio import insecure
     from .keys import FORMAT_VERSION
-    from .store import _insecure
 
     version_dir = base / f"v{FORMAT_VERSION}"
     if base.exists():
         if not base.is_dir():
             raise UsageError(f"cannot use cache directory {base}: not a directory")
-        why = _insecure(base.stat())
+        why = insecure(base.stat())
         if why is not None:
             raise UsageError(f"cannot use cache directory {base}: it is {why}")
         if not version_dir.is_dir() and any(base.iterdir()):
@@ -117,20 +117,22 @@ def _base(args: argparse.Namespace) -> Path:
 
 
 def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any]]:
+    from .entry import EntryMeta
+
     rows = []
     for s in stores:
         for e in s.entries():
-            meta = s.read_meta(e.path) or {}
-            devices = [d.get("device_name", "?") for d in meta.get("devices", []) if isinstance(d, dict)]
+            meta = s.read_meta(e.path) or EntryMeta()
+            devices = [d.get("device_name", "?") for d in meta.devices]
             if device and not any(device.lower() in d.lower() for d in devices):
                 continue
             rows.append({
                 "key": e.key,
-                "kind": str(meta.get("kind", "binary")),
-                "kernels": meta.get("kernels", []),
+                "kind": meta.kind,
+                "kernels": meta.kernels,
                 "devices": devices,
                 "size": e.size,
-                "created": meta.get("created"),
+                "created": meta.created or None,
                 "last_used": max(e.atime, e.mtime),
                 "rank": s.rank if s.rank_local else None,
                 "path": str(e.path),
@@ -165,11 +167,11 @@ def _opencl_versions() -> dict[str, Any]:
 
 
 def _lifetime(stores: list[Any]) -> dict[str, float]:
-    from . import lifetime
+    from .stats import LIFETIME_FIELDS, read_lifetime
 
-    total: dict[str, float] = dict.fromkeys(lifetime.FIELDS, 0)
+    total: dict[str, float] = dict.fromkeys(LIFETIME_FIELDS, 0)
     for s in stores:
-        for k, v in lifetime.read(s.root).items():
+        for k, v in read_lifetime(s.root).items():
             total[k] += v
     return total
 
@@ -309,15 +311,15 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from . import lifetime
+    from .stats import LIFETIME_FIELDS, reset_lifetime
 
     stores = _stores(args)
     if args.reset:
         for s in stores:
-            lifetime.reset(s.root)
+            reset_lifetime(s.root)
     life = _lifetime(stores)
     human = [f"lifetime stats of {_base(args)}" + (" (reset)" if args.reset else "")]
-    for k in lifetime.FIELDS:
+    for k in LIFETIME_FIELDS:
         v = life[k]
         shown = f"{v:.1f} s" if k == "seconds_saved" else (_human(v) if k == "bytes_written" else f"{v:.0f}")
         human.append(f"  {k:16s} {shown}")
@@ -372,22 +374,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def bench(argv: list[str]) -> int:
-    """``asyncclcache bench ARGS``: benchmarks/run.py's ``main(ARGS)``."""
-    # The benchmarks live in the source tree (benchmarks/run.py), next to src/.
-    run = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
-    if not run.exists():
-        raise UsageError(
-            "the benchmarks ship with the source tree: install from a checkout "
-            "(pip install -e .) and run it there"
-        )
-    import importlib.util
+    """``asyncclcache bench ARGS``: ``python benchmarks/run.py ARGS`` of the checkout this
+    package runs from; its exit status. The benchmarks are not installed with the package."""
+    import subprocess
 
-    spec = importlib.util.spec_from_file_location("asyncclcache_bench_run", run)
-    if spec is None or spec.loader is None:
-        raise UsageError(f"cannot load {run}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return int(module.main(argv))
+    run = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
+    if not run.is_file():
+        raise UsageError(
+            "bench needs a checkout: the benchmarks live in its benchmarks/ folder, which is not "
+            "installed. Clone the repository, pip install -e . there, and run it from there"
+        )
+    try:
+        return subprocess.call([sys.executable, str(run), *argv])
+    except KeyboardInterrupt:
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

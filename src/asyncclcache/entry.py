@@ -13,6 +13,8 @@ Layout (little-endian)::
     end-32  32    BLAKE2b-256 of every byte before it
 
 A checksum catches damage, not an attacker: see the store for ownership checks.
+The metadata is an :class:`EntryMeta`, decoded and type-checked in one place
+(:meth:`EntryMeta.from_json`); readers use its attributes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import IO, Any
 
 from .keys import FORMAT_VERSION
@@ -30,10 +33,10 @@ __all__ = [
     "MAGIC",
     "Entry",
     "EntryFormatError",
+    "EntryMeta",
     "decode",
     "encode",
     "layout_problem",
-    "meta_problem",
     "read_meta",
 ]
 
@@ -50,13 +53,123 @@ class EntryFormatError(ValueError):
     """The bytes are not a valid entry; the message says why."""
 
 
+def _str_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(i, str) for i in x)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _str(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+#: The type each known field must have (checked by :meth:`EntryMeta.from_json`).
+_CHECKS: dict[str, Any] = {
+    "kind": _str,
+    "devices": lambda x: isinstance(x, list)
+    and all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in x),
+    "files": lambda x: x is None or _str_list(x),
+    "kernels": _str_list,
+    "build_logs": _str_list,
+    "options": _str,
+    "source_sha256": _str,
+    "includes": lambda x: isinstance(x, list)
+    and all(isinstance(i, list) and len(i) == 2 and _str_list(i) for i in x),
+    "created": _number,
+    "compile_seconds": _number,
+    "snapshot": _str,
+    "strategy": _str,
+    "asyncclcache": _str,
+}
+#: Framing fields that :func:`encode` adds and :func:`decode` checks; not metadata.
+_FRAMING = ("key", "format", "binary_sizes")
+
+
+@dataclass(frozen=True, eq=False)
+class EntryMeta(Mapping[str, Any]):
+    """What an entry says about itself. Immutable.
+
+    Also a read-only mapping of its fields (``meta["files"]``), so tools and tests can
+    treat it as the JSON it is stored as. Unknown fields (a newer writer's) are kept
+    in ``extra`` and written back unchanged.
+    """
+
+    #: ``binary`` (one binary per device) or ``kcache`` (pocl's kernel-cache files).
+    kind: str = "binary"
+    #: Per device: the identity fields of :func:`asyncclcache.keys.device_identity`.
+    devices: list[dict[str, str]] = field(default_factory=list)
+    #: ``kcache``: the relative path of each blob in pocl's kernel cache.
+    files: list[str] | None = None
+    kernels: list[str] = field(default_factory=list)
+    #: Per device, when any build said something (replayed at a hit, as pyopencl does).
+    build_logs: list[str] = field(default_factory=list)
+    options: str = ""
+    source_sha256: str = ""
+    #: ``[path, sha256]`` of every header the source includes.
+    includes: list[list[str]] = field(default_factory=list)
+    #: ``time.time()`` of the snapshot (``0``: unknown).
+    created: float = 0.0
+    #: What a hit saves: the source build plus one code generation.
+    compile_seconds: float = 0.0
+    snapshot: str = ""
+    strategy: str = ""
+    asyncclcache: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> EntryMeta:
+        """Check every known field's type; raises :class:`EntryFormatError` naming the first
+        bad one. Framing fields (key, format, binary sizes) are left out."""
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for name, value in data.items():
+            if name in _FRAMING:
+                continue
+            check = _CHECKS.get(name)
+            if check is None:
+                extra[name] = value
+            elif not check(value):
+                raise EntryFormatError(f"bad metadata: {name!r} is {type(value).__name__}")
+            else:
+                known[name] = value
+        return cls(**known, extra=extra)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object stored (``files`` only where there are files)."""
+        out = dict(self.extra)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "extra" and value is not None:
+                out[f.name] = value
+        return out
+
+    # The read-only mapping of the stored JSON.
+    def __getitem__(self, name: str) -> Any:
+        return self.to_json()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_json())
+
+    def __len__(self) -> int:
+        return len(self.to_json())
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One program's binaries, one per device, with their metadata. Immutable."""
+    """One program's binaries, one per device, with their metadata. Immutable.
+
+    ``meta`` may be given as a plain mapping; it is checked and becomes an :class:`EntryMeta`.
+    """
 
     key: str
     binaries: tuple[bytes, ...]
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: EntryMeta = field(default_factory=EntryMeta)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.meta, EntryMeta):
+            object.__setattr__(self, "meta", EntryMeta.from_json(self.meta))
 
     @property
     def nbytes(self) -> int:
@@ -66,49 +179,13 @@ class Entry:
     @property
     def kind(self) -> str:
         """``binary`` (one binary per device) or ``kcache`` (pocl's kernel-cache files)."""
-        return str(self.meta.get("kind", "binary"))
-
-
-def _str_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(i, str) for i in x)
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-#: The metadata fields readers use, and the type each must have when present.
-_META_TYPES: dict[str, Any] = {
-    "kind": lambda x: isinstance(x, str),
-    "devices": lambda x: isinstance(x, list)
-    and all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in x),
-    "files": _str_list,
-    "kernels": _str_list,
-    "build_logs": _str_list,
-    "options": lambda x: isinstance(x, str),
-    "source_sha256": lambda x: isinstance(x, str),
-    "includes": lambda x: isinstance(x, list)
-    and all(isinstance(i, list) and len(i) == 2 and _str_list(i) for i in x),
-    "created": _number,
-    "compile_seconds": _number,
-    "snapshot": lambda x: isinstance(x, str),
-    "strategy": lambda x: isinstance(x, str),
-    "asyncclcache": lambda x: isinstance(x, str),
-}
-
-
-def meta_problem(meta: dict[str, Any]) -> str | None:
-    """Why the metadata does not have the types its readers rely on, or ``None``."""
-    for name, ok in _META_TYPES.items():
-        if name in meta and not ok(meta[name]):
-            return f"bad metadata: {name!r} is {type(meta[name]).__name__}"
-    return None
+        return self.meta.kind
 
 
 def layout_problem(entry: Entry) -> str | None:
     """Why the entry's blobs do not fit what its metadata says it holds, or ``None``."""
-    devices = entry.meta.get("devices")
-    if not isinstance(devices, list) or not devices:
+    devices = entry.meta.devices
+    if not devices:
         return "no devices"
     if entry.kind == "binary":
         if len(entry.binaries) != len(devices):
@@ -117,9 +194,9 @@ def layout_problem(entry: Entry) -> str | None:
     if entry.kind == "kcache":
         from .drivers.kcache import valid_file
 
-        files = entry.meta.get("files")
-        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-            return "kernel-cache file list is not a list of names"
+        files = entry.meta.files
+        if files is None:
+            return "kernel-cache file list is missing"
         if len(files) != len(entry.binaries) or not files:
             return "kernel-cache file count does not match its contents"
         bad = next((f for f in files if not valid_file(f)), None)
@@ -137,7 +214,7 @@ def _digest(data: bytes | memoryview) -> bytes:
 
 def encode(entry: Entry) -> bytes:
     """Serialize ``entry``. Pure function, thread-safe."""
-    meta = dict(entry.meta)
+    meta = entry.meta.to_json()
     meta["key"] = entry.key
     meta["format"] = FORMAT_VERSION
     meta["binary_sizes"] = [len(b) for b in entry.binaries]
@@ -173,9 +250,7 @@ def decode(data: bytes) -> Entry:
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
     ):
         raise EntryFormatError("bad metadata: binary sizes")
-    problem = meta_problem(meta)
-    if problem is not None:
-        raise EntryFormatError(problem)
+    checked = EntryMeta.from_json(meta)
     start = _HEADER.size + meta_len
     if start + sum(sizes) != len(data) - _DIGEST_SIZE:
         raise EntryFormatError("binary sizes do not add up")
@@ -183,10 +258,10 @@ def decode(data: bytes) -> Entry:
     for s in sizes:
         binaries.append(bytes(view[start : start + s]))
         start += s
-    return Entry(meta["key"], tuple(binaries), meta)
+    return Entry(meta["key"], tuple(binaries), checked)
 
 
-def read_meta(f: IO[bytes]) -> dict[str, Any]:
+def read_meta(f: IO[bytes]) -> EntryMeta:
     """The metadata of the entry in ``f``, without reading the binaries or verifying the
     checksum (for listings; use :func:`decode` before trusting anything)."""
     header = f.read(_HEADER.size)
@@ -201,7 +276,4 @@ def read_meta(f: IO[bytes]) -> dict[str, Any]:
         raise EntryFormatError(f"bad metadata: {e}") from None
     if not isinstance(meta, dict):
         raise EntryFormatError("bad metadata")
-    problem = meta_problem(meta)
-    if problem is not None:
-        raise EntryFormatError(problem)
-    return meta
+    return EntryMeta.from_json(meta)

@@ -12,8 +12,6 @@ __all__ = [
     "BackgroundError",
     "BinaryRejectedWarning",
     "CacheDirWarning",
-    "CacheDisabledWarning",
-    "ClosedError",
     "CorruptEntryWarning",
     "InsecureCacheWarning",
     "WriteFailedWarning",
@@ -22,10 +20,6 @@ __all__ = [
 
 class AsyncCLCacheError(Exception):
     """Base class of every error raised by asyncclcache."""
-
-
-class ClosedError(AsyncCLCacheError, RuntimeError):
-    """Raised when work is submitted to a cache after :meth:`Cache.close`."""
 
 
 class BackgroundError(AsyncCLCacheError, RuntimeError):
@@ -54,7 +48,3 @@ class BinaryRejectedWarning(AsyncCLCacheWarning):
 
 class WriteFailedWarning(AsyncCLCacheWarning):
     """An entry could not be written (disk full, permissions); nothing partial was left."""
-
-
-class CacheDisabledWarning(AsyncCLCacheWarning):
-    """Caching was switched off by the environment (``ASYNCCLCACHE_DISABLE``)."""

@@ -1,9 +1,10 @@
 """The drop-in ``Program``, and ``install()`` for every ``pyopencl.Program`` in the process.
 
-``build()`` looks the key up (memory, then disk). On a hit it creates the program
-from the stored binaries; on a miss it does a plain source build (never with
+``build()`` looks the key up (memory, then disk). On a hit the driver builds the
+program from the entry; on a miss it does a plain source build (never with
 pyopencl's cache-defeating uuid, docs/design.md F6), returns at once and leaves the
-binaries to the cache's background work (:meth:`Cache._schedule`).
+entry to the cache's background work (:meth:`Cache.record_miss`). Only the cache's
+public build interface is used.
 """
 
 from __future__ import annotations
@@ -69,10 +70,10 @@ def cached_build(
     if info.uncertain is not None:
         # A header we cannot track for certain could change without changing the key.
         logger.info("asyncclcache: not caching a program: %s", info.uncertain)
-        cache._count("uncacheable")
+        cache.record_uncacheable()
         return _PYOPENCL_BUILD(prg, options, devices, cache_dir)
     prg.cache_key = info.key  # type: ignore[attr-defined]
-    entry = cache._lookup(info)
+    entry = cache.lookup(info)
     overhead = time.perf_counter() - t_start
 
     def build_source() -> Any:
@@ -100,7 +101,7 @@ def cached_build(
         descr = "source build (binary retrieved in the background)"
 
     prg._prg = built
-    cache._count("main_thread_seconds", overhead)
+    cache.record_overhead(overhead)
     prg._build_duration_info = (descr, hit, duration)
     return prg
 
@@ -116,10 +117,8 @@ def _from_entry(
     result = driver.build_from_entry(entry, context, devs, options, build_source)
     duration = time.perf_counter() - t0
     if result.program is not None and result.used:
-        cache._record_build(hit=True, entry=entry, seconds=duration)
-        _replay_logs(entry.meta.get("build_logs") or [], devs)
-        if driver.watches_hits:
-            cache._watch(info, source, devs, entry, result.folders)
+        cache.record_hit(info, entry, duration, source=source, devices=devs, folders=result.folders)
+        _replay_logs(entry.meta.build_logs, devs)
         return result.program, True, "cache retrieval", duration
     if result.program is not None and not result.blame_entry:
         # Our I/O failed (logged by the driver), not the entry: keep it; a plain miss.
@@ -132,8 +131,7 @@ def _from_entry(
         BinaryRejectedWarning,
         stacklevel=4,
     )
-    cache._count("rejected")
-    cache._forget(info.key)
+    cache.reject(info)
     if result.program is None:
         return None, False, "", duration
     # Built from source already (pocl did not use the stored folder): a miss.
@@ -145,10 +143,9 @@ def _after_miss(
     cache: Cache, built: Any, info: Any, source: bytes, devices: list[cl.Device],
     looked_up_at: float, seconds: float, built_from: float, built_to: float,
 ) -> None:
-    cache._record_build(hit=False)
-    cache._schedule(
-        built, info, source, devices, _build_logs(built), looked_up_at,
-        kernels=_kernel_names(built), build_seconds=seconds,
+    cache.record_miss(
+        built, info, source=source, devices=devices, logs=_build_logs(built),
+        kernels=_kernel_names(built), looked_up_at=looked_up_at, build_seconds=seconds,
         built_from=built_from, built_to=built_to,
     )
 

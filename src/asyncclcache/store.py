@@ -26,13 +26,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
-import hashlib
 import logging
 import os
 import shutil
-import socket
 import stat
-import tempfile
 import threading
 import time
 import warnings
@@ -41,8 +38,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .entry import Entry, EntryFormatError, decode, encode, layout_problem, read_meta
+from .entry import Entry, EntryFormatError, EntryMeta, decode, encode, layout_problem, read_meta
 from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
+from .fileio import (
+    CLOEXEC,
+    HOST,
+    NOFOLLOW,
+    NONBLOCK,
+    TEMP_PREFIX,
+    TEMP_SUFFIX,
+    InsecurePathError,
+    atomic_write,
+    insecure,
+    make_private_dir,
+    nofollow_opener,
+    temp_writer,
+)
 from .keys import FORMAT_VERSION
 from .ranks import detect_rank
 
@@ -62,8 +73,6 @@ logger = logging.getLogger(__name__)
 
 ENTRY_SUFFIX = ".acl"
 LOCK_SUFFIX = ".lock"
-TEMP_PREFIX = ".tmp-"
-TEMP_SUFFIX = ".partial"
 PRUNE_LOCK = "prune.lock"
 #: A temp file whose writer is gone, or older than this, is swept.
 TEMP_MAX_AGE = 3600.0
@@ -79,10 +88,6 @@ if hasattr(os, "register_at_fork"):  # a fork while another thread probed must n
         _PROBING = threading.Lock()
 
     os.register_at_fork(after_in_child=_new_probing_lock)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-# A FIFO planted where an entry should be would block open() for reading forever.
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def default_directory() -> Path:
@@ -100,10 +105,6 @@ class PruneResult:
     removed: int = 0
     freed: int = 0
     remaining: int = 0
-
-
-def _nofollow_opener(path: str, flags: int) -> int:
-    return os.open(path, flags | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
 
 
 @dataclass(frozen=True)
@@ -149,36 +150,6 @@ class StoredEntry:
     size: int
     mtime: float
     atime: float
-
-
-def _insecure(st: os.stat_result) -> str | None:
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not {os.geteuid()}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-        # A hard link made elsewhere (by whoever could write there) into our directory.
-        return f"has {st.st_nlink} hard links"
-    return None
-
-
-#: This host in temp names (a digest: host names may hold any character), so that a sweep
-#: judges by PID only the temp files written on this host.
-_HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
-
-
-def _temp_prefix() -> str:
-    return f"{TEMP_PREFIX}{_HOST}-{os.getpid()}-"
-
-
-def _temp_writer(name: str) -> tuple[str | None, int | None]:
-    """(host digest, pid) of a temp file's writer; host ``None`` for an unknown layout."""
-    parts = name[len(TEMP_PREFIX) :].split("-")
-    if len(parts) >= 3 and len(parts[0]) == 8 and parts[1].isdigit():
-        return parts[0], int(parts[1])
-    if parts and parts[0].isdigit():  # written before host digests: treat as this host's
-        return _HOST, int(parts[0])
-    return None, None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -235,7 +206,7 @@ class Store:
             try:
                 self._make_dirs()
             except OSError as e:
-                self.problem = str(e) if isinstance(e, _Insecure) else f"{e.strerror or e}"
+                self.problem = str(e) if isinstance(e, InsecurePathError) else f"{e.strerror or e}"
 
     # {{{ directories
 
@@ -255,7 +226,7 @@ class Store:
                     CacheDirWarning,
                     stacklevel=4,
                 )
-        except _Insecure as e:
+        except InsecurePathError as e:
             self.problem = str(e)
             warnings.warn(
                 f"asyncclcache: refusing cache directory {self.root}: {e}; caching is off",
@@ -281,28 +252,14 @@ class Store:
         """True when entries can be written (usable and not read-only)."""
         return self.problem is None and not self.read_only
 
-    @staticmethod
-    def _make_dir(path: Path, *, follow: bool = False) -> None:
-        # Only the user-given base may be a link (a cache on another disk); ours never are.
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-        st = os.stat(path) if follow else os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            raise _Insecure(f"{path} is a symbolic link")
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
-        why = _insecure(st)
-        if why is not None:
-            raise _Insecure(f"{path} is {why}")
-
     def _make_dirs(self, fanout: Path | None = None) -> None:
         # Again before each write: another process may have removed the directory.
-        self._make_dir(self.base, follow=True)
+        make_private_dir(self.base, follow=True)
         dirs = [self.base / f"v{FORMAT_VERSION}", self.root]
         if fanout is not None:
             dirs.append(fanout)
         for d in dict.fromkeys(dirs):
-            self._make_dir(d)
+            make_private_dir(d)
 
     def _fanout(self, key: str) -> Path:
         return self.root / key[:2]
@@ -325,7 +282,7 @@ class Store:
         if r.problem is not None:
             self._reject(r.path, r.problem, r.stat, insecure=r.insecure)
             return None
-        if r.entry is not None and devices is not None and list(r.entry.meta.get("devices", ())) != list(devices):
+        if r.entry is not None and devices is not None and r.entry.meta.devices != list(devices):
             self._reject(r.path, "was built for another device", r.stat)
             return None
         return r.entry
@@ -339,7 +296,7 @@ class Store:
             return ReadResult(path)
         try:
             # Neither the fan-out directory nor the entry may be a link.
-            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC)
         except OSError as e:
             # O_DIRECTORY | O_NOFOLLOW on a link fails with ENOTDIR (or ELOOP): tell apart.
             if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.parent.is_symlink():
@@ -349,10 +306,10 @@ class Store:
         try:
             # The fan-out directory too: another user's, or one others may write, could
             # hold a planted entry (checked on read as well as on write).
-            why = _insecure(os.fstat(dfd))
+            why = insecure(os.fstat(dfd))
             if why is not None:
                 return ReadResult(path.parent, problem=why, insecure=True)
-            fd = os.open(path.name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
+            fd = os.open(path.name, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK, dir_fd=dfd)
         except FileNotFoundError:
             return ReadResult(path)
         except OSError as e:
@@ -368,7 +325,7 @@ class Store:
                 return ReadResult(path, problem="is a directory", stat=st)
             if not stat.S_ISREG(st.st_mode):
                 return ReadResult(path, problem="is not a regular file", stat=st)
-            why = _insecure(st)
+            why = insecure(st)
             if why is not None:
                 return ReadResult(path, problem=why, insecure=True)
             with os.fdopen(fd, "rb", closefd=False) as f:
@@ -470,34 +427,11 @@ class Store:
             if claim is None:
                 return PublishResult.SKIPPED
         try:
-            self._write_atomic(self._fanout(key), self.path_for(key), data, write_hook)
+            atomic_write(self._fanout(key), self.path_for(key), data, write_hook)
         finally:
             if own:
                 claim.release()
         return PublishResult.WRITTEN
-
-    @staticmethod
-    def _write_atomic(directory: Path, target: Path, data: bytes, write_hook: Any) -> None:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=_temp_prefix(), suffix=TEMP_SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:  # owns fd from here: closed on any error
-                if write_hook is not None:
-                    write_hook(tmp)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        with contextlib.suppress(OSError):
-            dfd = os.open(directory, os.O_RDONLY | _CLOEXEC)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
 
     def remove(self, key: str) -> bool:
         """Delete the entry for ``key``; True if there was one."""
@@ -554,13 +488,13 @@ class Store:
         now = time.time()
         for p, name in self._files():
             if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
-                host, pid = _temp_writer(name)
+                host, pid = temp_writer(name)
                 try:
                     age = now - os.lstat(p).st_mtime
                 except OSError:
                     continue
                 # Another host's writer (a shared directory): our PIDs say nothing of it.
-                alive = (pid is not None and _pid_alive(pid)) if host == _HOST else True
+                alive = (pid is not None and _pid_alive(pid)) if host == HOST else True
                 if not alive or age > TEMP_MAX_AGE:
                     temps.append(p)
             elif name.endswith(LOCK_SUFFIX) and _unheld(p, remove=remove_locks):
@@ -579,10 +513,10 @@ class Store:
         """Bytes of all entry files."""
         return sum(e.size for e in self.entries())
 
-    def read_meta(self, path: Path) -> dict[str, Any] | None:
+    def read_meta(self, path: Path) -> EntryMeta | None:
         """An entry's metadata, read without the binaries and not verified (for listings)."""
         try:
-            with open(path, "rb", opener=_nofollow_opener) as f:
+            with open(path, "rb", opener=nofollow_opener) as f:
                 return read_meta(f)
         except (OSError, EntryFormatError):
             return None
@@ -681,7 +615,7 @@ def _unheld(path: Path, *, remove: bool) -> bool:
     import fcntl
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK)
     except OSError:
         return False
     try:
@@ -722,7 +656,3 @@ class Claim:
             os.unlink(self.path)
         with contextlib.suppress(OSError, RuntimeError):
             self._lock.release()
-
-
-class _Insecure(PermissionError):
-    pass

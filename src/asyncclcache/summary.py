@@ -51,8 +51,10 @@ def _local() -> tuple[Any, list[str]]:
     cache = sys.modules.get("asyncclcache.cache")
     if cache is None:  # no cache was ever made: nothing to count
         return None, []
+    from .stats import Stats
+
     closed = cache.close_all()
-    total = cache.Stats()
+    total = Stats()
     dirs: list[str] = []
     for directory, stats in closed:
         total = total + stats
@@ -103,7 +105,7 @@ def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
 
     import numpy as np
 
-    from .cache import Stats
+    from .stats import Stats
 
     names = [f.name for f in fields(Stats)]
     comm = mpi.COMM_WORLD

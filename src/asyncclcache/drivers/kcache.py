@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..fileio import CLOEXEC, NOFOLLOW
 from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot
 
 if TYPE_CHECKING:
@@ -72,9 +73,7 @@ POLL_SECONDS = 0.2
 #: At most one walk of every folder of pocl's cache this often (a large cache: many stats).
 FULL_SCAN_SECONDS = 1.0
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC
 # pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
 _FOLDER_RE = (re.compile(r"[A-Za-z0-9]{2}"), re.compile(r"[A-Za-z0-9]{8,128}"))
 # A kernel name, a variant (``64-1-1-goffs0-smallgrid``) or a file; never ``.``/``..``.
@@ -276,7 +275,7 @@ def folder_files(root: Path, folders: Sequence[str]) -> Snapshot:
         try:
             data = []
             for rel, path in list(_walk(root, folder)):
-                fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
                 with os.fdopen(fd, "rb") as f:
                     data.append((rel, f.read()))
         except OSError:
@@ -309,7 +308,7 @@ def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> int:
     below ``root`` is followed. Raises ``OSError`` (the caller builds from source).
     """
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | CLOEXEC)
     dirs: dict[str, int] = {"": rootfd}
     written = 0
     try:
@@ -338,7 +337,7 @@ def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> int:
 
 def _place(dfd: int, name: str, blob: bytes) -> int:
     tmp = TMP_PREFIX + secrets.token_hex(8)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -448,7 +447,7 @@ class KcacheDriver(Driver):
         options: bytes,
         build_source: Callable[[], Any],
     ) -> Hit:
-        files = list(entry.meta.get("files") or [])
+        files = list(entry.meta.files or [])
         folders = entry_folders(files)
         since = time.time()
         try:

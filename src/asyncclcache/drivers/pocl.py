@@ -29,7 +29,6 @@ from .kcache import find_folders, kernel_cache_dir
 __all__ = ["HelperDriver", "HelperError", "newest_variants"]
 
 logger = logging.getLogger(__name__)
-_STOP = object()
 #: Restarts after a helper crash before the driver gives up for this process.
 MAX_RESTARTS = 3
 #: Every wait on the helper is bounded. Start-up: Python and pyopencl at SCHED_IDLE, which
@@ -115,7 +114,7 @@ class HelperDriver(Driver):
     refreshable = True
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Job, Done] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -186,9 +185,9 @@ class HelperDriver(Driver):
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item is None:  # stop
                 break
-            job, done = item  # type: ignore[misc]
+            job, done = item
             try:
                 binaries = self._request(job)
             except BaseException as e:  # noqa: BLE001 - reported through done
@@ -302,13 +301,13 @@ class HelperDriver(Driver):
             except queue.Empty:
                 break
         for item in dropped:
-            _job, done = item  # type: ignore[misc]
-            done(None, Dropped("dropped at close"))
+            if item is not None:
+                item[1](None, Dropped("dropped at close"))
         proc = self._proc
         if proc is not None and proc.poll() is None:
             # Mid-compile: the helper holds nothing we need; kill it.
             proc.kill()
-        self._queue.put(_STOP)
+        self._queue.put(None)
         thread.join(timeout if timeout is not None else 5.0)
         if proc is not None:
             try:

@@ -1,0 +1,128 @@
+"""File safety: what every module that touches the cache directory uses.
+
+Entries are native code that pocl ``dlopen``\\ s, so nothing is read from, or written
+into, a place another user could have prepared: directories are made 0700 and checked
+(owner, no group/other write, not a link), files are opened without following links
+(and without blocking on a planted FIFO), and writes are atomic and durable (temp file
+in the same directory, ``fsync``, ``os.replace``, ``fsync`` of the directory).
+
+Pure functions; thread- and process-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import socket
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = [
+    "CLOEXEC",
+    "HOST",
+    "NOFOLLOW",
+    "NONBLOCK",
+    "TEMP_PREFIX",
+    "TEMP_SUFFIX",
+    "InsecurePathError",
+    "atomic_write",
+    "insecure",
+    "make_private_dir",
+    "nofollow_opener",
+    "temp_prefix",
+    "temp_writer",
+]
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# A FIFO planted where an entry should be would block open() for reading forever.
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+TEMP_PREFIX = ".tmp-"
+TEMP_SUFFIX = ".partial"
+#: This host in temp names (a digest: host names may hold any character), so that a sweep
+#: judges by PID only the temp files written on this host.
+HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+class InsecurePathError(PermissionError):
+    """A directory or file another user could have written (or a link): refused."""
+
+
+def insecure(st: os.stat_result) -> str | None:
+    """Why a file or directory with this ``lstat``/``fstat`` must not be trusted, or ``None``."""
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        # A hard link made elsewhere (by whoever could write there) into our directory.
+        return f"has {st.st_nlink} hard links"
+    return None
+
+
+def make_private_dir(path: Path, *, follow: bool = False) -> None:
+    """``mkdir`` 0700 if missing, then check it: ours, not group/other-writable, and (unless
+    ``follow``) not a link. Raises :class:`InsecurePathError` or ``OSError``."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise InsecurePathError(f"{path} is a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    why = insecure(st)
+    if why is not None:
+        raise InsecurePathError(f"{path} is {why}")
+
+
+def nofollow_opener(path: str, flags: int) -> int:
+    """An ``opener`` for :func:`open` that follows no link and never blocks on a FIFO."""
+    return os.open(path, flags | NOFOLLOW | CLOEXEC | NONBLOCK)
+
+
+def temp_prefix() -> str:
+    """Prefix of this process's temp files: host digest and PID, for the sweep."""
+    return f"{TEMP_PREFIX}{HOST}-{os.getpid()}-"
+
+
+def temp_writer(name: str) -> tuple[str | None, int | None]:
+    """(host digest, pid) of a temp file's writer; host ``None`` for an unknown layout."""
+    parts = name[len(TEMP_PREFIX) :].split("-")
+    if len(parts) >= 3 and len(parts[0]) == 8 and parts[1].isdigit():
+        return parts[0], int(parts[1])
+    if parts and parts[0].isdigit():  # written before host digests: treat as this host's
+        return HOST, int(parts[0])
+    return None, None
+
+
+def atomic_write(
+    directory: Path, target: Path, data: bytes, write_hook: Callable[[str], None] | None = None
+) -> None:
+    """Write ``data`` to ``target`` (in ``directory``) so that readers see the old file or
+    the whole new one, mode 0600, durable when this returns. Raises ``OSError`` after
+    removing its temp file. ``write_hook(temp_path)`` runs before the data is written
+    (tests widen the window with it)."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=temp_prefix(), suffix=TEMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:  # owns fd from here: closed on any error
+            if write_hook is not None:
+                write_hook(tmp)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dfd = os.open(directory, os.O_RDONLY | CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

@@ -1,0 +1,354 @@
+"""The way from a built program to a written entry, off the caller's thread.
+
+:class:`Pipeline` holds each program's :class:`~.drivers.Job` and moves it along::
+
+    fetch ─▶ claim the key (store lock) ─▶ driver.fetch ─▶ publish (writer thread)
+                 └ held or written by another process: skipped
+
+* **fetch**: a job is pending from here until done; claiming touches the disk, so it
+  runs on a writer thread (unless the driver is ``inline``).
+* **claim**: one process per key does the work; the others skip and count it.
+* **publish**: the snapshot becomes an :class:`~.entry.Entry` written atomically
+  under the claim; then the size bound is kept (least recently used entries go).
+* **refresh**: at ``flush()``, the driver says which written jobs gained variants
+  (pocl launches with new local sizes); those are fetched again and rewritten only
+  if their content changed.
+
+Thread-safe: every method may be called from any thread. The pipeline never blocks
+the caller's thread on the disk, a lock or a compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+
+from . import _version
+from .drivers import Dropped, Job, Lost, Purpose, Snapshot
+from .entry import Entry, EntryMeta
+from .errors import WriteFailedWarning
+from .stats import Counters
+from .store import PublishResult, Store
+from .workers import Workers
+
+__all__ = ["MAX_JOBS", "Pipeline"]
+
+logger = logging.getLogger(__name__)
+
+#: Programs whose jobs are kept (for refreshes) per cache; the oldest go first.
+MAX_JOBS = 4096
+
+
+class Pipeline:
+    """Pending and in-flight jobs, claims, publishing, refreshes and the size bound of
+    one cache. ``on_written(entry)`` is told of every entry written (the cache's memory)."""
+
+    def __init__(
+        self,
+        store: Store,
+        workers: Workers,
+        counters: Counters,
+        *,
+        max_size: int | None,
+        on_written: Callable[[Entry], None],
+    ) -> None:
+        self.store = store
+        self.workers = workers
+        self.counters = counters
+        self.max_size = max_size
+        self._on_written = on_written
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        # key -> job, for programs built by this process (the newest MAX_JOBS: refreshable)
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._inflight: set[str] = set()
+        self._refreshable: set[str] = set()
+        self._errors: list[BaseException] = []
+        self._closed = False
+        self._swept = False
+        self._size_estimate: int | None = None  # bytes on disk, scanned once, then tracked
+
+    # {{{ state
+
+    @property
+    def pending(self) -> int:
+        """Jobs fetched and not done yet."""
+        with self._lock:
+            return self._pending
+
+    def job(self, key: str) -> Job | None:
+        """The job this process keeps for ``key`` (``None`` if none, or dropped)."""
+        with self._lock:
+            return self._jobs.get(key)
+
+    def add(self, job: Job) -> bool:
+        """Keep ``job`` (a program just built); False if the same key is already on its way."""
+        with self._lock:
+            if job.key in self._jobs and job.key in self._inflight:
+                return False
+            self._keep(job)
+        if not self._swept:
+            self._swept = True
+            self.workers.submit(self._sweep)
+        return True
+
+    def watch(self, job: Job) -> None:
+        """Keep ``job`` (a hit) so that :meth:`refresh` may rewrite its entry."""
+        with self._lock:
+            if job.key in self._inflight:
+                return
+            self._keep(job)
+            self._refreshable.add(job.key)
+
+    def _sweep(self) -> None:
+        self.store.sweep()
+
+    def _keep(self, job: Job) -> None:
+        # Under self._lock. Bounded: a process that builds thousands of programs keeps the
+        # newest; an older one only loses its refresh (a later run compiles that variant).
+        self._jobs[job.key] = job
+        self._jobs.move_to_end(job.key)
+        if len(self._jobs) > MAX_JOBS:
+            for key in list(self._jobs):
+                if len(self._jobs) <= MAX_JOBS:
+                    break
+                if key not in self._inflight:
+                    del self._jobs[key]
+                    self._refreshable.discard(key)
+
+    def close(self) -> None:
+        """Take no more work; what is pending is dropped (counted as skipped) as it ends."""
+        with self._lock:
+            self._closed = True
+
+    def wait(self, timeout: float | None) -> bool:
+        """Until nothing is pending, or ``timeout`` seconds; True when nothing is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._idle.wait(remaining)
+            return self._pending == 0
+
+    def take_errors(self) -> list[BaseException]:
+        """The background failures since the last call."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def error(self, error: BaseException, *, count: bool = True) -> None:
+        """A background failure: logged, counted, kept for ``flush()`` to raise."""
+        logger.warning("asyncclcache background failure: %s", error)
+        if count:
+            self.counters.add("errors")
+        with self._lock:
+            self._errors.append(error)
+
+    # }}}
+
+    # {{{ the way of a job
+
+    def fetch(self, job: Job, purpose: Purpose) -> None:
+        """Start retrieving ``job``'s snapshot for ``purpose``. Cheap; any thread."""
+        with self._lock:
+            if self._closed or job.yielded:
+                return
+            self._pending += 1
+            self._inflight.add(job.key)
+        if job.driver.inline:
+            self._start(job, purpose)
+        else:
+            # Claiming touches the disk: not on the caller's thread.
+            self.workers.submit(lambda: self._start(job, purpose))
+
+    def refresh(self) -> None:
+        """Fetch again the written jobs whose programs gained variants (the driver tells)."""
+        with self._lock:
+            if self._closed:
+                return
+            jobs = [self._jobs[k] for k in self._refreshable if k not in self._inflight and k in self._jobs]
+        by_driver: dict[int, list[Job]] = {}
+        for job in jobs:
+            by_driver.setdefault(id(job.driver), []).append(job)
+        for group in by_driver.values():
+            for job in group[0].driver.stale(group):
+                self.fetch(job, Purpose.REFRESH)
+
+    def _start(self, job: Job, purpose: Purpose) -> None:
+        if job.claim is None:
+            try:
+                claim = self.store.claim(job.key)
+            except OSError as e:
+                try:
+                    self._write_failed(job, e)
+                finally:
+                    self._done(job)
+                return
+            if claim is None or (purpose is not Purpose.REFRESH and self._written_since(job)):
+                # Another process (rank) works on this key, or already wrote it: skip.
+                if claim is not None:
+                    claim.release()
+                with self._lock:
+                    job.yielded = True
+                self.counters.add("skipped")
+                self._done(job)
+                return
+            job.claim = claim
+        job.driver.fetch(job, purpose, lambda snap, error: self._fetched(job, purpose, snap, error))
+
+    def _written_since(self, job: Job) -> bool:
+        try:
+            return self.store.path_for(job.key).stat().st_mtime >= job.created
+        except OSError:
+            return False
+
+    def _fetched(
+        self, job: Job, purpose: Purpose, snap: Snapshot | None, error: BaseException | None
+    ) -> None:
+        # Runs in a driver's thread: hand disk I/O to the writers.
+        with self._lock:
+            first = job.fetches == 0
+            job.fetches += 1
+        if first and job.driver.warms_up and error is None:
+            self.counters.add("warmups")
+        if error is not None:
+            self._release_claim(job)
+            if isinstance(error, Dropped):
+                self.counters.add("skipped")  # shut down first: not a failure
+            elif isinstance(error, Lost):
+                self.counters.add("unidentified")  # nothing to store: counted, not a failure
+                logger.info("asyncclcache: %s (%s)", error, job.key[:12])
+            else:
+                self.error(error)
+            self._done(job)
+            return
+        assert snap is not None
+        if purpose is Purpose.WARMUP:
+            self._done(job)
+            return
+        self.workers.submit(lambda: self._publish(job, purpose, snap))
+
+    def _publish(self, job: Job, purpose: Purpose, snap: Snapshot) -> None:
+        # Writer thread.
+        try:
+            digest = _digest(snap)
+            if purpose is Purpose.REFRESH and digest == job.written_digest:
+                return
+            with self._lock:
+                closed = self._closed
+            if closed:
+                self.counters.add("skipped")
+                return
+            entry = Entry(job.key, tuple(snap.blobs), _meta(job, purpose, snap))
+            try:
+                result = self.store.publish(entry, claim=job.claim)
+            except OSError as e:
+                self._write_failed(job, e)
+                return
+            if result is PublishResult.WRITTEN:
+                self._written(job, purpose, snap, entry, digest)
+            elif result is PublishResult.SKIPPED:
+                self.counters.add("skipped")
+        finally:
+            self._release_claim(job)
+            self._done(job)
+
+    def _written(self, job: Job, purpose: Purpose, snap: Snapshot, entry: Entry, digest: str) -> None:
+        self.counters.add("writes")
+        self.counters.add("bytes_written", entry.nbytes)
+        if purpose is Purpose.REFRESH:
+            self.counters.add("refreshes")
+        with self._lock:
+            job.written_digest = digest
+            if snap.files is not None:
+                job.written_files = frozenset(snap.files)
+                job.folders = tuple(snap.folders or job.folders or ())
+            if job.driver.refreshable:
+                self._refreshable.add(job.key)
+            job.program = None  # the in-process program is no longer needed
+        self._on_written(entry)
+        self._keep_under_max_size(entry.nbytes)
+
+    def _keep_under_max_size(self, added: int) -> None:
+        # Writer thread only. A full scan once, then a running estimate; prune (a scan) only
+        # when the estimate says the bound is crossed.
+        if not self.max_size:
+            return
+        if self._size_estimate is None:
+            self._size_estimate = self.store.total_bytes()
+        else:
+            self._size_estimate += added
+        if self._size_estimate <= self.max_size:
+            return
+        result = self.store.prune(max_size=self.max_size)
+        if result.ran:
+            self._size_estimate = result.remaining
+            self.counters.add("evictions", result.removed)
+
+    def _release_claim(self, job: Job) -> None:
+        claim, job.claim = job.claim, None
+        if claim is not None:
+            claim.release()
+
+    def _write_failed(self, job: Job, e: OSError) -> None:
+        self.counters.add("write_errors")
+        self.error(e, count=False)
+        warn(
+            f"asyncclcache: could not write entry {job.key[:12]} to {self.store.root}: {e.strerror or e}",
+            WriteFailedWarning,
+        )
+
+    def _done(self, job: Job) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._inflight.discard(job.key)
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    # }}}
+
+
+def _digest(snap: Snapshot) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in snap.files or ():
+        h.update(name.encode() + b"\0")
+    for blob in snap.blobs:
+        h.update(len(blob).to_bytes(8, "little") + blob)
+    return h.hexdigest()
+
+
+def _meta(job: Job, purpose: Purpose, snap: Snapshot) -> EntryMeta:
+    return EntryMeta(
+        kind=job.driver.kind,
+        devices=[dict(d) for d in job.info.devices],
+        files=list(snap.files) if snap.files is not None else None,
+        options=job.options.decode("utf-8", "surrogateescape"),
+        source_sha256=job.info.source_sha256,
+        includes=[[d.path, d.sha256] for d in job.info.deps],
+        build_logs=list(job.logs),
+        created=time.time(),
+        snapshot=purpose.value,
+        strategy=job.driver.name,
+        asyncclcache=_version.__version__,
+        kernels=list(job.kernels),
+        # What a hit saves: the source build plus one code generation (the helper's
+        # warm-up measures one; the launch's costs about the same).
+        compile_seconds=job.build_seconds + (job.warmup_seconds or 0.0),
+    )
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """Warn from a background thread: a warnings filter set to "error" must not break
+    bookkeeping (logged instead)."""
+    try:
+        warnings.warn(message, category, stacklevel=3)
+    except Exception:  # noqa: BLE001
+        logger.warning("%s", message)

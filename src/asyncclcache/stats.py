@@ -1,0 +1,192 @@
+"""Counters: :class:`Stats` of one cache in one process, and the directory's lifetime totals.
+
+:class:`Counters` is what a :class:`~asyncclcache.Cache` counts into (thread-safe);
+``stats()`` snapshots it as an immutable :class:`Stats`. The lifetime counters are one
+small JSON file per cache directory, summed over runs and processes: each process adds
+what it counted since its last save, under a file lock taken with a short timeout (a
+stuck holder costs a skipped save, never a hang), written atomically and durably
+(:func:`.fileio.atomic_write`). Readers take no lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .fileio import atomic_write
+
+__all__ = ["LIFETIME_FIELDS", "Counters", "Stats", "add_lifetime", "read_lifetime", "reset_lifetime"]
+
+logger = logging.getLogger(__name__)
+
+STATS_FILE = "stats.json"
+STATS_LOCK = "stats.lock"
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Counters of one :class:`Cache` in this process (a snapshot; immutable)."""
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    write_errors: int = 0
+    skipped: int = 0  # writes skipped: another process held the key, or shut down first
+    pending: int = 0  # background retrievals and writes not finished yet
+    bytes_written: int = 0
+    warmups: int = 0  # first binary queries in the helper (pocl's generic compile)
+    refreshes: int = 0  # entries rewritten because the program gained variants
+    rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
+    unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
+    uncacheable: int = 0  # builds not cached: an #include that cannot be resolved for certain
+    errors: int = 0  # background failures (logged)
+    evictions: int = 0  # entries removed to keep the directory under max_size
+    seconds_saved: float = 0.0  # estimated compile time that hits avoided
+    main_thread_seconds: float = 0.0  # time the cache spent in callers' threads
+    background_cpu_seconds: float = 0.0  # CPU time of the cache's own threads (not a helper's)
+
+    def line(self, label: str = "asyncclcache") -> str:
+        """One line, as ``ccache -s`` would say it: for a log, or the job's exit summary.
+
+        Counters that are usually zero (errors, skipped, rejected, ...) appear when not.
+        """
+        text = (
+            f"{label}: {self.hits} hits, {self.misses} misses, {self.writes} writes "
+            f"({self.bytes_written / 1e6:.1f} MB), {self.seconds_saved:.1f} s saved, "
+            f"{self.pending} pending"
+        )
+        extra = [
+            f"{getattr(self, name)} {name.replace('_', ' ')}"
+            for name in ("warmups", "refreshes", "skipped", "rejected", "uncacheable",
+                         "unidentified", "write_errors", "errors")
+            if getattr(self, name)
+        ]
+        return text + (f" ({', '.join(extra)})" if extra else "")
+
+    @classmethod
+    def from_values(cls, values: dict[str, float]) -> Stats:
+        """From field name -> number (counts rounded to int), e.g. summed over ranks."""
+        ints = {f.name for f in fields(cls) if f.type in ("int", int)}
+        kwargs: dict[str, Any] = {k: (round(v) if k in ints else float(v)) for k, v in values.items()}
+        return cls(**kwargs)
+
+    def __add__(self, other: Stats) -> Stats:
+        """Counters summed (over caches, processes or ranks)."""
+        if not isinstance(other, Stats):
+            return NotImplemented
+        return Stats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters as a plain dict (stable field names, for JSON)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Counters:
+    """The running counters behind :class:`Stats`. Thread-safe; cheap to add to."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {f.name: 0 for f in fields(Stats)}
+        self._saved: dict[str, float] = {}  # what the lifetime file already holds
+
+    def add(self, name: str, n: float = 1) -> None:
+        """Add ``n`` to the counter ``name`` (a :class:`Stats` field)."""
+        with self._lock:
+            self._values[name] += n
+
+    def snapshot(self, pending: int = 0) -> Stats:
+        """The counters now, as :class:`Stats`."""
+        with self._lock:
+            return Stats.from_values(dict(self._values, pending=pending))
+
+    def save_lifetime(self, root: str | os.PathLike[str]) -> None:
+        """Add what was counted since the last save to ``root``'s lifetime counters
+        (bounded lock wait; a busy lock means: next time)."""
+        with self._lock:
+            now = {k: v for k, v in self._values.items() if k in LIFETIME_FIELDS}
+            deltas = {k: v - self._saved.get(k, 0) for k, v in now.items()}
+            first = not self._saved
+        if not any(deltas.values()):
+            return
+        if first:
+            deltas["runs"] = 1
+        if add_lifetime(root, deltas, timeout=1.0):
+            with self._lock:
+                self._saved = now
+
+
+#: Lifetime counters (the process counters of ``Stats`` that add up, plus a few more).
+LIFETIME_FIELDS = (
+    "runs",
+    "hits",
+    "misses",
+    "writes",
+    "write_errors",
+    "skipped",
+    "bytes_written",
+    "warmups",
+    "refreshes",
+    "rejected",
+    "unidentified",
+    "uncacheable",
+    "errors",
+    "evictions",
+    "seconds_saved",
+)
+
+
+def read_lifetime(root: str | os.PathLike[str]) -> dict[str, float]:
+    """The lifetime counters of the cache at ``root`` (zeros if none yet)."""
+    out: dict[str, float] = dict.fromkeys(LIFETIME_FIELDS, 0)
+    try:
+        with open(Path(root) / STATS_FILE, "rb") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return out
+    if isinstance(data, dict):
+        for k in LIFETIME_FIELDS:
+            v = data.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = v
+    return out
+
+
+def add_lifetime(root: str | os.PathLike[str], deltas: Mapping[str, float], *, timeout: float = 2.0) -> bool:
+    """Add ``deltas`` to the counters at ``root``; False if the lock was busy or I/O failed."""
+    deltas = {k: v for k, v in deltas.items() if k in LIFETIME_FIELDS and v}
+    if not deltas:
+        return True
+    root = Path(root)
+    import filelock  # lazily: off the import path of a warm start
+
+    lock = filelock.FileLock(str(root / STATS_LOCK), timeout=timeout, mode=0o600)
+    try:
+        with lock:
+            current = read_lifetime(root)
+            for k, v in deltas.items():
+                current[k] = current.get(k, 0) + v
+            _write(root, current)
+    except (filelock.Timeout, OSError) as e:
+        logger.info("could not save lifetime stats in %s: %s", root, e)
+        return False
+    return True
+
+
+def reset_lifetime(root: str | os.PathLike[str]) -> None:
+    """Zero the counters at ``root``."""
+    root = Path(root)
+    import filelock
+
+    with filelock.FileLock(str(root / STATS_LOCK), timeout=10, mode=0o600):
+        _write(root, dict.fromkeys(LIFETIME_FIELDS, 0))
+
+
+def _write(root: Path, values: Mapping[str, float]) -> None:
+    data = json.dumps({k: values.get(k, 0) for k in LIFETIME_FIELDS}, sort_keys=True).encode()
+    atomic_write(root, root / STATS_FILE, data)
