@@ -113,7 +113,9 @@ def make_builder(ctx: cl.Context) -> Callable[[str], Any]:
         d = SPEC["pyopencl_dir"]
         return lambda src: cl.Program(ctx, src).build(cache_dir=d)
     cache = _acc_cache()
-    return lambda src: cache.program(ctx, src).build()
+    from asyncclcache import Program
+
+    return lambda src: Program(ctx, src, cache=cache).build()
 
 
 class Bench:

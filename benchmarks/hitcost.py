@@ -41,7 +41,7 @@ cache = acc.Cache(acc_dir, strategy=mode) if mode in ("kcache", "process") else 
 build = launch = 0.0
 for p in WORKLOADS["multi"](programs=n):
     t0 = time.perf_counter()
-    prg = cache.program(ctx, p.source()).build() if cache else cl.Program(ctx, p.source()).build()
+    prg = acc.Program(ctx, p.source(), cache=cache).build() if cache else cl.Program(ctx, p.source()).build()
     t1 = time.perf_counter()
     for k in p.kernels:
         getattr(prg, k.name)(q, (WORK_ITEMS,), None, ad, ad, cd); q.finish()

@@ -41,7 +41,7 @@ def main() -> int:
     buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=a)
     for i in range(args.programs):
         src = f"__kernel void k{i}(__global float *x) {{ x[get_global_id(0)] += {i + 1}.0f; }}"
-        prg = cache.program(ctx, src).build()
+        prg = acc.Program(ctx, src, cache=cache).build()
         getattr(prg, f"k{i}")(queue, a.shape, None, buf)
     queue.finish()
     first = time.perf_counter() - t0

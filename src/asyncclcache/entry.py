@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
@@ -29,6 +30,7 @@ from typing import IO, Any
 from .keys import FORMAT_VERSION
 
 __all__ = [
+    "KCACHE_TMP_PREFIX",
     "KINDS",
     "MAGIC",
     "Entry",
@@ -38,6 +40,7 @@ __all__ = [
     "encode",
     "layout_problem",
     "read_meta",
+    "valid_kcache_file",
 ]
 
 #: What an entry holds: per-device binaries, or pocl kernel-cache files (``meta["files"]``).
@@ -83,6 +86,27 @@ _CHECKS: dict[str, Any] = {
     "strategy": _str,
     "asyncclcache": _str,
 }
+#: Temp files of ours inside pocl's kernel-cache folders (never part of an entry).
+KCACHE_TMP_PREFIX = ".acc-tmp-"
+# pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
+_FOLDER_RE = (re.compile(r"[A-Za-z0-9]{2}"), re.compile(r"[A-Za-z0-9]{8,128}"))
+# A kernel name, a variant (``64-1-1-goffs0-smallgrid``) or a file; never ``.``/``..``.
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
+
+
+def valid_kcache_file(rel: str) -> bool:
+    """True for ``XX/<hash>/<name>`` and ``XX/<hash>/<kernel>/<variant>/<name>``-like
+    paths of pocl's kernel cache: plain names, no ``..``, no absolute path, no temp
+    file of ours. What a ``kcache`` entry may hold (checked before anything is written)."""
+    parts = rel.split("/")
+    if not 3 <= len(parts) <= 6:
+        return False
+    if not (_FOLDER_RE[0].fullmatch(parts[0]) and _FOLDER_RE[1].fullmatch(parts[1])):
+        return False
+    names_ok = all(_NAME_RE.fullmatch(p) for p in parts[2:])
+    return names_ok and not parts[-1].startswith(KCACHE_TMP_PREFIX)
+
+
 #: Framing fields that :func:`encode` adds and :func:`decode` checks; not metadata.
 _FRAMING = ("key", "format", "binary_sizes")
 
@@ -192,14 +216,12 @@ def layout_problem(entry: Entry) -> str | None:
             return "binary count does not match its devices"
         return None
     if entry.kind == "kcache":
-        from .drivers.kcache import valid_file
-
         files = entry.meta.files
         if files is None:
             return "kernel-cache file list is missing"
         if len(files) != len(entry.binaries) or not files:
             return "kernel-cache file count does not match its contents"
-        bad = next((f for f in files if not valid_file(f)), None)
+        bad = next((f for f in files if not valid_kcache_file(f)), None)
         if bad is not None:
             return f"unsafe kernel-cache path {bad!r}"
         if len(set(files)) != len(files):

@@ -14,8 +14,9 @@ A key is the SHA-256 hex digest of a canonical JSON document holding:
 Guarantees: the key is stable across runs and machines with the same inputs (no
 ``hash()``, no ``PYTHONHASHSEED``, no timestamps), and any change to a listed
 input changes it. A header's modification time alone does not: content counts.
-Headers found only on the compiler's own search path are not covered (as in
-pyopencl).
+A header that cannot be found on the include path (only on the compiler's own
+search path, say) or a macro include makes the key uncertain: such a program is
+built plainly and never cached (``KeyInfo.uncertain``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "POCL_PLATFORM_NAME",
     "IncludeDep",
     "KeyInfo",
     "UncertainIncludes",
@@ -46,6 +48,9 @@ __all__ = [
     "make_key",
     "scan_includes",
 ]
+
+#: pocl's platform name (its settings and the host CPU go into the key).
+POCL_PLATFORM_NAME = "Portable Computing Language"
 
 #: Version of the entry format; part of every key and of the directory name.
 FORMAT_VERSION = 1
@@ -134,8 +139,6 @@ def code_settings(devices: Sequence[cl.Device]) -> dict[str, str]:
     that the driver accepts back.
     """
     import pyopencl as cl
-
-    from .drivers import POCL_PLATFORM_NAME
 
     out: dict[str, str] = {}
     if any(d.platform.name == POCL_PLATFORM_NAME for d in devices):

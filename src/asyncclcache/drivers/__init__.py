@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..keys import POCL_PLATFORM_NAME
 from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot
 from .kcache import kernel_cache_dir
 
@@ -39,7 +40,6 @@ __all__ = [
     "resolve_strategy",
 ]
 
-POCL_PLATFORM_NAME = "Portable Computing Language"
 
 
 def is_pocl_cpu(device: cl.Device) -> bool:

@@ -28,7 +28,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -36,6 +35,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
+from ..entry import valid_kcache_file as valid_file
 from ..fileio import CLOEXEC, NOFOLLOW
 from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot
 
@@ -59,8 +60,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAST_ACCESSED = "last_accessed"
-#: Our temp files inside pocl's folders (never snapshotted).
-TMP_PREFIX = ".acc-tmp-"
 #: File timestamps come from a coarse clock that lags ``time.time()`` by up to a tick.
 SLACK = 0.05
 #: More candidate folders than this for one build: give up on it (counted).
@@ -74,10 +73,6 @@ POLL_SECONDS = 0.2
 FULL_SCAN_SECONDS = 1.0
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC
-# pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
-_FOLDER_RE = (re.compile(r"[A-Za-z0-9]{2}"), re.compile(r"[A-Za-z0-9]{8,128}"))
-# A kernel name, a variant (``64-1-1-goffs0-smallgrid``) or a file; never ``.``/``..``.
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 
 
 def kernel_cache_dir() -> Path | None:
@@ -95,18 +90,6 @@ def kernel_cache_dir() -> Path | None:
         return Path(given) if given.strip() else None
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "pocl" / "kcache"
-
-
-def valid_file(rel: str) -> bool:
-    """True for ``XX/<hash>/<name>`` and ``XX/<hash>/<kernel>/<variant>/<name>``-like
-    paths: plain names, no ``..``, no absolute path, no temp file of ours."""
-    parts = rel.split("/")
-    if not 3 <= len(parts) <= 6:
-        return False
-    if not (_FOLDER_RE[0].fullmatch(parts[0]) and _FOLDER_RE[1].fullmatch(parts[1])):
-        return False
-    names_ok = all(_NAME_RE.fullmatch(p) for p in parts[2:])
-    return names_ok and not parts[-1].startswith(TMP_PREFIX)
 
 
 def _program_folders(root: Path, new_since: float | None = None) -> Iterator[tuple[str, float]]:
