@@ -15,6 +15,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import shutil
 import socket
 import stat
 import tempfile
@@ -35,6 +36,7 @@ __all__ = [
     "nofollow_opener",
     "temp_prefix",
     "temp_writer",
+    "unlink_if_same",
 ]
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -77,6 +79,21 @@ def make_private_dir(path: Path, *, follow: bool = False) -> None:
     why = insecure(st)
     if why is not None:
         raise InsecurePathError(f"{path} is {why}")
+
+
+def unlink_if_same(path: Path, st: os.stat_result | None) -> None:
+    """Remove ``path`` (a directory too) if it is still the file ``st`` describes (any file
+    for ``None``): a writer may have replaced a bad file with a good one meanwhile."""
+    try:
+        now = os.lstat(path)
+        if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+            return
+        if stat.S_ISDIR(now.st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def nofollow_opener(path: str, flags: int) -> int:

@@ -1,4 +1,6 @@
-"""Files on disk: where entries live, atomic publish under a per-key lock, verify, sweep.
+"""Entry files on disk: where entries live, reading and checking them, atomic publish
+under a per-key claim. Keeping the directory in order (sweep, verify, prune, clear) is
+:mod:`.maintenance`; claims are :mod:`.locks`; file safety is :mod:`.fileio`.
 
 Layout::
 
@@ -28,9 +30,7 @@ import enum
 import errno
 import logging
 import os
-import shutil
 import stat
-import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -42,7 +42,6 @@ from .entry import Entry, EntryFormatError, EntryMeta, decode, encode, layout_pr
 from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
 from .fileio import (
     CLOEXEC,
-    HOST,
     NOFOLLOW,
     NONBLOCK,
     TEMP_PREFIX,
@@ -52,42 +51,23 @@ from .fileio import (
     insecure,
     make_private_dir,
     nofollow_opener,
-    temp_writer,
+    unlink_if_same,
 )
 from .keys import FORMAT_VERSION
+from .locks import LOCK_SUFFIX, Claim, take
 from .ranks import detect_rank
 
 if TYPE_CHECKING:
-    import filelock
-
-# filelock is imported where a lock is taken (background threads, the command line), not
-# at import: it pulls in asyncio and costs 7 ms here, 80 ms on a cold bytecode cache,
-# which a warm start (about 40 ms in all) should not pay.
+    from .maintenance import PruneResult
 
 __all__ = [
-    "ENTRY_SUFFIX", "Claim", "PruneResult", "PublishResult", "ReadResult", "Store", "StoredEntry",
-    "check_data", "default_directory",
+    "ENTRY_SUFFIX", "LOCK_SUFFIX", "TEMP_PREFIX", "TEMP_SUFFIX", "Claim", "PublishResult", "ReadResult",
+    "Store", "StoredEntry", "check_data", "default_directory",
 ]
 
 logger = logging.getLogger(__name__)
 
 ENTRY_SUFFIX = ".acl"
-LOCK_SUFFIX = ".lock"
-PRUNE_LOCK = "prune.lock"
-#: A temp file whose writer is gone, or older than this, is swept.
-TEMP_MAX_AGE = 3600.0
-#: Serializes this process's claims with its sweep's probes: a probe takes each unheld
-#: lock file for a moment, and must not do so between a claimer's creating the file and
-#: locking it (the claimer would skip; observed with a sweep thread). Across processes
-#: that window is microseconds; a probe landing in it costs one skipped write.
-_PROBING = threading.Lock()
-if hasattr(os, "register_at_fork"):  # a fork while another thread probed must not deadlock
-
-    def _new_probing_lock() -> None:
-        global _PROBING
-        _PROBING = threading.Lock()
-
-    os.register_at_fork(after_in_child=_new_probing_lock)
 
 
 def default_directory() -> Path:
@@ -95,16 +75,6 @@ def default_directory() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("asyncclcache"))
-
-
-@dataclass
-class PruneResult:
-    """What :meth:`Store.prune` did."""
-
-    ran: bool = False  # False: another process was pruning, or the store is unusable
-    removed: int = 0
-    freed: int = 0
-    remaining: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,16 +120,6 @@ class StoredEntry:
     size: int
     mtime: float
     atime: float
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Store:
@@ -349,27 +309,13 @@ class Store:
             )
             return
         # Remove first: a warnings filter set to "error" must not leave the bad file.
-        self._remove_if_same(path, st)
+        unlink_if_same(path, st)
         logger.warning("dropping damaged cache entry %s: %s", path, why)
         warnings.warn(
             f"asyncclcache: dropping damaged cache entry {path}: {why}; rebuilding",
             CorruptEntryWarning,
             stacklevel=4,
         )
-
-    @staticmethod
-    def _remove_if_same(path: Path, st: os.stat_result | None) -> None:
-        # A writer may have replaced the bad file with a good one meanwhile: keep that.
-        try:
-            now = os.lstat(path)
-            if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
-                return
-            if stat.S_ISDIR(now.st_mode):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
-        except OSError:
-            pass
 
     # }}}
 
@@ -386,17 +332,7 @@ class Store:
             return None
         directory = self._fanout(key)
         self._make_dirs(directory)
-        lock_path = directory / (key + LOCK_SUFFIX)
-        import filelock  # lazily: see the note on the imports
-
-        lock = filelock.FileLock(str(lock_path), timeout=0, mode=0o600, thread_local=False)
-        try:
-            with _PROBING:
-                lock.acquire()
-        except filelock.Timeout:
-            logger.debug("entry %s is claimed by another process: skip", key)
-            return None
-        return Claim(key, lock_path, lock)
+        return take(key, directory / (key + LOCK_SUFFIX))
 
     def publish(
         self, entry: Entry, *, claim: Claim | None = None, write_hook: Any = None
@@ -445,7 +381,8 @@ class Store:
 
     # {{{ maintenance
 
-    def _fanout_dirs(self) -> Iterator[Path]:
+    def fanout_dirs(self) -> Iterator[Path]:
+        """The ``XX/`` directories (not links) of the entries."""
         if not self.enabled:
             return
         try:
@@ -458,8 +395,9 @@ class Store:
                 if p.is_dir() and not p.is_symlink():
                     yield p
 
-    def _files(self) -> Iterator[tuple[Path, str]]:
-        for d in self._fanout_dirs():
+    def files(self) -> Iterator[tuple[Path, str]]:
+        """``(path, name)`` of every file in the fan-out directories (entries, locks, temps)."""
+        for d in self.fanout_dirs():
             try:
                 names = os.listdir(d)
             except OSError:
@@ -469,7 +407,7 @@ class Store:
 
     def entries(self) -> Iterator[StoredEntry]:
         """Every entry file, unvalidated. Safe while others write (files may vanish)."""
-        for p, name in self._files():
+        for p, name in self.files():
             if not name.endswith(ENTRY_SUFFIX) or name.startswith("."):
                 continue
             try:
@@ -478,28 +416,38 @@ class Store:
                 continue
             yield StoredEntry(name[: -len(ENTRY_SUFFIX)], p, st.st_size, st.st_mtime, st.st_atime)
 
+    # The directory's upkeep, in .maintenance (each safe while others read and write).
+
     def orphans(self) -> tuple[list[Path], list[Path]]:
         """Temp files whose writer is gone (or too old) and lock files nobody holds."""
-        return self._orphans(remove_locks=False)
+        from . import maintenance
 
-    def _orphans(self, *, remove_locks: bool) -> tuple[list[Path], list[Path]]:
-        temps: list[Path] = []
-        locks: list[Path] = []
-        now = time.time()
-        for p, name in self._files():
-            if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
-                host, pid = temp_writer(name)
-                try:
-                    age = now - os.lstat(p).st_mtime
-                except OSError:
-                    continue
-                # Another host's writer (a shared directory): our PIDs say nothing of it.
-                alive = (pid is not None and _pid_alive(pid)) if host == HOST else True
-                if not alive or age > TEMP_MAX_AGE:
-                    temps.append(p)
-            elif name.endswith(LOCK_SUFFIX) and _unheld(p, remove=remove_locks):
-                locks.append(p)
-        return temps, locks
+        return maintenance.orphans(self)
+
+    def sweep(self) -> int:
+        """Remove orphaned temp and lock files; returns how many."""
+        from . import maintenance
+
+        return maintenance.sweep(self)
+
+    def verify(self, *, fix: bool = False) -> list[tuple[StoredEntry, str]]:
+        """Fully check every entry; ``(entry, problem)`` for the bad ones, removed with ``fix``."""
+        from . import maintenance
+
+        return maintenance.verify(self, fix=fix)
+
+    def prune(self, *, max_size: int | None = None, older_than: float | None = None) -> PruneResult:
+        """Evict least recently used entries down to ``max_size`` bytes, and those unused
+        for ``older_than`` seconds."""
+        from . import maintenance
+
+        return maintenance.prune(self, max_size=max_size, older_than=older_than)
+
+    def clear(self) -> int:
+        """Remove every entry (and orphaned files); returns the entry count."""
+        from . import maintenance
+
+        return maintenance.clear(self)
 
     def touch(self, key: str) -> None:
         """Mark ``key`` as just used (its atime), without rewriting it. Never raises."""
@@ -521,138 +469,4 @@ class Store:
         except (OSError, EntryFormatError):
             return None
 
-    def verify(self, *, fix: bool = False) -> list[tuple[StoredEntry, str]]:
-        """Fully check every entry (format, checksum, key); returns ``(entry, problem)`` for
-        the bad ones, removed when ``fix``. Safe while others read and write."""
-        bad: list[tuple[StoredEntry, str]] = []
-        for e in self.entries():
-            r = self.read(e.key)
-            if r.problem is None:
-                continue
-            bad.append((e, r.problem))
-            if fix:  # links and planted files included: our directory, our names
-                self._remove_if_same(e.path, r.stat)
-        return bad
-
-    def prune(self, *, max_size: int | None = None, older_than: float | None = None) -> PruneResult:
-        """Evict least recently used entries until the total is at most ``max_size`` bytes,
-        and every entry unused for ``older_than`` seconds.
-
-        Safe while other processes read and write: an entry disappears atomically, and a
-        second evictor that finds the prune lock held returns at once (``ran=False``).
-        """
-        result = PruneResult()
-        if not self.enabled:
-            return result
-        import filelock
-
-        lock = filelock.FileLock(str(self.root / PRUNE_LOCK), timeout=0, mode=0o600)
-        try:
-            lock.acquire()
-        except (filelock.Timeout, OSError):
-            return result
-        try:
-            result.ran = True
-            entries = sorted(self.entries(), key=lambda e: max(e.atime, e.mtime))
-            total = sum(e.size for e in entries)
-            cutoff = None if older_than is None else time.time() - older_than
-            for e in entries:
-                too_old = cutoff is not None and max(e.atime, e.mtime) < cutoff
-                too_big = max_size is not None and total > max_size
-                if not (too_old or too_big):
-                    continue
-                try:
-                    os.unlink(e.path)
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    continue
-                total -= e.size
-                result.removed += 1
-                result.freed += e.size
-            result.remaining = total
-        finally:
-            lock.release()
-        if result.removed:
-            logger.info("pruned %d entries (%d bytes) in %s", result.removed, result.freed, self.root)
-        return result
-
-    def clear(self) -> int:
-        """Remove every entry (and orphaned temp and lock files); returns the entry count."""
-        n = 0
-        for e in self.entries():
-            with contextlib.suppress(OSError):
-                os.unlink(e.path)
-                n += 1
-        self.sweep()
-        return n
-
-    def sweep(self) -> int:
-        """Remove orphaned temp and lock files; returns how many. Safe to run anytime."""
-        if self.read_only:
-            return 0
-        temps, locks = self._orphans(remove_locks=True)
-        n = len(locks)
-        for p in temps:
-            try:
-                os.unlink(p)
-                n += 1
-            except OSError:
-                pass
-        if n:
-            logger.info("swept %d orphaned temp/lock files in %s", n, self.root)
-        return n
-
     # }}}
-
-
-def _unheld(path: Path, *, remove: bool) -> bool:
-    """True if nobody holds the lock file at ``path``; with ``remove``, unlink it too.
-
-    Probes with its own ``flock`` on the existing file (a filelock would create a
-    missing one) and unlinks while holding it, as :meth:`Claim.release` does.
-    """
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK)
-    except OSError:
-        return False
-    try:
-        with _PROBING:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                return False  # held
-            try:
-                if not os.path.samestat(os.lstat(path), os.fstat(fd)):
-                    return False  # replaced meanwhile: that one is somebody's
-                if remove:
-                    os.unlink(path)
-            except OSError:
-                return False
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            return True
-    finally:
-        os.close(fd)
-
-
-class Claim:
-    """A held per-key lock (see :meth:`Store.claim`). ``release()`` is idempotent."""
-
-    def __init__(self, key: str, path: Path, lock: filelock.BaseFileLock) -> None:
-        self.key = key
-        self.path = path
-        self._lock = lock
-        self._released = False
-
-    def release(self) -> None:
-        """Remove the lock file (while still holding it, so none piles up) and unlock."""
-        if self._released:
-            return
-        self._released = True
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        with contextlib.suppress(OSError, RuntimeError):
-            self._lock.release()
