@@ -39,6 +39,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
     return out, r
 
 
+@pytest.mark.slow
 def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
     out, r = quick_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -64,6 +65,7 @@ def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
     assert seed["acc-process"]["warm"][0]["stats_timed"]["hits"] == 1
 
 
+@pytest.mark.slow
 def test_rank_sweep_writes_once_per_rank_or_once_shared(quick_run: tuple[Path, Any]) -> None:
     out, r = quick_run
     assert r.returncode == 0, r.stdout[-3000:]
@@ -87,6 +89,7 @@ def test_rank_sweep_writes_once_per_rank_or_once_shared(quick_run: tuple[Path, A
         assert warm["hits"] == 2 and warm["misses"] == 0 and warm["warmups"] == 0
 
 
+@pytest.mark.slow
 def test_report_marks_best_explains_auto_and_plots(quick_run: tuple[Path, Any]) -> None:
     out, r = quick_run
     assert r.returncode == 0
@@ -108,6 +111,7 @@ def test_report_marks_best_explains_auto_and_plots(quick_run: tuple[Path, Any]) 
         assert pngs == [] and "## Plots" not in md
 
 
+@pytest.mark.slow
 def test_report_re_renders_from_json(quick_run: tuple[Path, Any], tmp_path: Path) -> None:
     out, r = quick_run
     assert r.returncode == 0

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from asyncclcache import lifetime
 from asyncclcache.store import Store
 from kernels import run_twice, small_source
 
 
+@pytest.mark.slow
 def test_max_size_evicts_least_recently_used_in_background(cl_ctx, cache_dir, open_cache):
     probe = open_cache(cache_dir / "probe")
     probe.program(cl_ctx, small_source()).build()
@@ -68,6 +71,7 @@ def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir, open_cache):
     again.close()
 
 
+@pytest.mark.slow
 def test_lifetime_stats_saved_at_flush_and_close(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir)
     cache.program(cl_ctx, small_source()).build()

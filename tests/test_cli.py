@@ -220,6 +220,7 @@ def test_clear_asks_for_yes(populated: tuple[Path, int]) -> None:
     assert list(Store(cache_dir).entries()) == []
 
 
+@pytest.mark.slow
 def test_stats_from_two_processes_add_up_and_reset(cache_dir: Path) -> None:
     code = r"""
 import json, sys

@@ -15,6 +15,8 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
+pytestmark = pytest.mark.slow  # whole programs, cold then warm, in fresh processes (mpiexec too)
+
 
 def _run(args: list[str], cache_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, ASYNCCLCACHE_DIR=str(cache_dir),

@@ -73,6 +73,7 @@ def _compare(a: dict, b: dict) -> None:
         assert a[key] == b[key], key
 
 
+@pytest.mark.slow
 def test_pyopencl_calls_identical_with_install(cache_dir, tmp_path):
     inc = str(tmp_path / "include")
     plain = child_json(run_child(WORKLOAD, "plain", str(cache_dir), inc))

@@ -63,6 +63,7 @@ def test_cold_run_compiles_nothing_extra_and_new_node_compiles_nothing(cache_dir
     assert warm["stats"]["writes"] == 0 and warm["stats"]["rejected"] == 0
 
 
+@pytest.mark.slow
 def test_kernel_cache_off_falls_back_to_process(cache_dir):
     out = child_json(run_child(RUN, str(cache_dir), "kcache-off", env={"POCL_KERNEL_CACHE": "0"}))
     assert out["ok"] and out["flushed"] and out["drivers"] == ["process"]

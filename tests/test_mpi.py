@@ -19,6 +19,8 @@ import pytest
 from asyncclcache.store import Store
 from conftest import ROOT, child_json, run_child
 
+pytestmark = pytest.mark.slow  # mpiexec, or the seed kernel at n=1000 held for seconds
+
 RANK_RUN = r"""
 import json, os, sys
 rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)

@@ -57,6 +57,7 @@ def test_bad_options_raise_like_pyopencl(cl_ctx, cache_dir, open_cache):
     assert ours.value.code == theirs.value.code
 
 
+@pytest.mark.slow
 def test_cold_build_queries_no_binaries_in_main_process(cache_dir, tmp_path):
     # The seed kernel at n=300 takes seconds to generate its generic variant
     # ("0-0-0" in pocl's cache): a build that queried BINARIES would have made it.
@@ -124,6 +125,7 @@ def test_helper_started_once_idle_priority_and_reaped(cl_ctx, cache_dir, open_ca
     assert not Path(f"/proc/{pid}").exists()  # exited and reaped (no zombie either)
 
 
+@pytest.mark.slow
 def test_helper_exits_when_parent_is_killed(cache_dir):
     code = r"""
 import os, sys, signal, time
@@ -272,6 +274,7 @@ else:
     assert out == {"raised": "BackgroundError"}
 
 
+@pytest.mark.slow
 def test_exit_with_pending_work_is_bounded_and_clean(cache_dir):
     code = r"""
 import sys, time
@@ -339,6 +342,7 @@ print(json.dumps(acc.Cache(sys.argv[1]).strategy))
     assert bad.returncode != 0 and "ASYNCCLCACHE_STRATEGY" in bad.stderr
 
 
+@pytest.mark.slow
 def test_two_devices_in_one_context(cache_dir):
     code = r"""
 import json, sys
@@ -408,6 +412,7 @@ print(json.dumps({"ok": run_twice(ctx, prg), "flushed": cache.flush(10), "stats"
     assert out["stats"]["misses"] == 0 and out["stats"]["hits"] == 0 and out["stats"]["writes"] == 0
 
 
+@pytest.mark.slow
 def test_fork_with_pending_work_gives_the_child_a_clean_cache(cache_dir):
     # A child forked while the parent's helper compiles must not wait for the parent's work
     # (at flush or at exit), and the parent must finish its own. (No OpenCL in the child:

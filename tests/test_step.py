@@ -40,6 +40,7 @@ print(json.dumps({"launch": launch, "variants_before_launch": before, "ok": bool
 """
 
 
+@pytest.mark.slow
 def test_step_snapshot_packs_the_launched_variant(cache_dir):
     cold = child_json(run_child(STEP_RUN, str(cache_dir)))
     assert cold["ok"] and cold["flushed"]
@@ -56,6 +57,7 @@ def test_step_snapshot_packs_the_launched_variant(cache_dir):
     assert warm["launch"] * 10 < cold["launch"], (warm["launch"], cold["launch"])
 
 
+@pytest.mark.slow
 def test_variants_after_the_snapshot_are_refreshed_at_flush(cache_dir):
     code = r"""
 import json, os, pathlib, sys
@@ -154,6 +156,7 @@ def test_default_cache_step_shortcut(cl_ctx):
         acc.default_cache().close()  # the next user of the default cache gets a fresh one
 
 
+@pytest.mark.slow
 def test_refresh_matches_by_program_not_kernel_name(cl_ctx, cache_dir, open_cache):
     # Issue 12: 12 programs whose kernel is named `k` cost 78 helper requests at flush.
     cache = open_cache(cache_dir, strategy="process")

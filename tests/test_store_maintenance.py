@@ -105,7 +105,7 @@ def test_killed_writer_leaves_no_visible_entry(killed_writer: tuple[str, Path]) 
     assert tmp.exists()
     assert tmp.name.startswith(TEMP_PREFIX)
     assert tmp.name.endswith(TEMP_SUFFIX)
-    from asyncclcache.store import _HOST
+    from asyncclcache.fileio import HOST as _HOST
 
     assert tmp.name.startswith(f"{TEMP_PREFIX}{_HOST}-")  # the host's digest, then the pid
     assert 0 < tmp.stat().st_size < len(encode(make_entry(key, b"killed writer " * 5000)))
@@ -231,7 +231,7 @@ def test_orphan_rules_for_temp_files(store: Store) -> None:
     old.write_bytes(b"x")
     t = old.stat().st_mtime - TEMP_MAX_AGE - 60
     os.utime(old, (t, t))
-    from asyncclcache.store import _HOST
+    from asyncclcache.fileio import HOST as _HOST
 
     # Issue 12: another host's write in progress on a shared directory, with a PID that is
     # dead here: it must not be swept (only once it is old).
