@@ -26,7 +26,7 @@ from kernels import small_source, run_twice
 from _pocl import pocl_context
 cache = acc.Cache(sys.argv[1], rank_local=False)
 ctx = pocl_context()
-ok = all(run_twice(ctx, cache.program(ctx, small_source(salt=f"ship-{i}")).build()) for i in range(3))
+ok = all(run_twice(ctx, acc.Program(ctx, small_source(salt=f"ship-{i}"), cache=cache).build()) for i in range(3))
 cache.flush(120)
 print(json.dumps({"ok": ok, **cache.stats().as_dict()}))
 cache.close()

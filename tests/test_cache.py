@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from asyncclcache import lifetime
+import asyncclcache as acc
+from asyncclcache.stats import read_lifetime
 from asyncclcache.store import Store
 from kernels import run_twice, small_source
 
@@ -15,7 +16,7 @@ from kernels import run_twice, small_source
 @pytest.mark.slow
 def test_max_size_evicts_least_recently_used_in_background(cl_ctx, cache_dir, open_cache):
     probe = open_cache(cache_dir / "probe")
-    probe.program(cl_ctx, small_source()).build()
+    acc.Program(cl_ctx, small_source(), cache=probe).build()
     assert probe.flush(120)
     one = Store(cache_dir / "probe").total_bytes()
     probe.close()
@@ -23,7 +24,7 @@ def test_max_size_evicts_least_recently_used_in_background(cl_ctx, cache_dir, op
     cache = open_cache(cache_dir, max_size=int(2.5 * one))
     prgs = []
     for _ in range(5):
-        prgs.append(cache.program(cl_ctx, small_source()).build())
+        prgs.append(acc.Program(cl_ctx, small_source(), cache=cache).build())
         assert cache.flush(120)  # one at a time, so "least recently used" is well defined
     store = Store(cache_dir)
     assert store.total_bytes() <= 2.5 * one
@@ -54,7 +55,7 @@ def test_max_size_accepts_suffixes_and_environment(cache_dir, open_cache, monkey
 def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir, open_cache):
     src = small_source()
     cache = open_cache(cache_dir)
-    prg = cache.program(cl_ctx, src).build()
+    prg = acc.Program(cl_ctx, src, cache=cache).build()
     assert cache.flush(120)
     cache.close()
     path = Store(cache_dir).path_for(prg.cache_key)
@@ -63,7 +64,7 @@ def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir, open_cache):
     before = path.stat()
 
     again = open_cache(cache_dir)
-    again.program(cl_ctx, src).build()
+    acc.Program(cl_ctx, src, cache=again).build()
     assert again.flush(60)
     after = path.stat()
     assert after.st_ino == before.st_ino and after.st_mtime == before.st_mtime  # not rewritten
@@ -74,15 +75,15 @@ def test_hit_updates_last_used_without_rewriting(cl_ctx, cache_dir, open_cache):
 @pytest.mark.slow
 def test_lifetime_stats_saved_at_flush_and_close(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir)
-    cache.program(cl_ctx, small_source()).build()
+    acc.Program(cl_ctx, small_source(), cache=cache).build()
     assert cache.flush(120)
-    saved = lifetime.read(cache.directory)
+    saved = read_lifetime(cache.directory)
     assert (saved["runs"], saved["misses"], saved["writes"]) == (1, 1, 1)
     assert cache.flush(10)  # nothing new: nothing added twice
-    assert lifetime.read(cache.directory)["misses"] == 1
-    cache.program(cl_ctx, small_source()).build()
+    assert read_lifetime(cache.directory)["misses"] == 1
+    acc.Program(cl_ctx, small_source(), cache=cache).build()
     cache.close()
-    saved = lifetime.read(cache.directory)
+    saved = read_lifetime(cache.directory)
     assert (saved["runs"], saved["misses"]) == (1, 2)
 
 
@@ -97,7 +98,7 @@ def test_import_and_a_warm_hit_leave_filelock_unloaded(cl_ctx, cache_dir, open_c
 
     src = small_source("lazy", salt="filelock-stays-unloaded")
     cache = open_cache(cache_dir, rank_local=False)
-    prg = cache.program(cl_ctx, src).build()
+    prg = acc.Program(cl_ctx, src, cache=cache).build()
     assert run_twice(cl_ctx, prg, "lazy")
     assert cache.close(120) and cache.stats().writes == 1
     code = textwrap.dedent(f"""
@@ -108,7 +109,7 @@ def test_import_and_a_warm_hit_leave_filelock_unloaded(cl_ctx, cache_dir, open_c
         from _pocl import pocl_context
         ctx = pocl_context()
         cache = acc.Cache({str(cache_dir)!r}, rank_local=False)
-        cache.program(ctx, {src!r}).build()
+        acc.Program(ctx, {src!r}, cache=cache).build()
         assert cache.stats().hits == 1, cache.stats()
         print("filelock" in sys.modules)
     """)
@@ -120,15 +121,18 @@ def test_import_and_a_warm_hit_leave_filelock_unloaded(cl_ctx, cache_dir, open_c
 
 
 def test_job_table_is_bounded(cl_ctx, cache_dir, monkeypatch, open_cache):
-    import asyncclcache.cache as cache_mod
+    import asyncclcache.pipeline as pipeline_mod
     from kernels import run_twice, small_source
 
-    monkeypatch.setattr(cache_mod, "MAX_JOBS", 3)
+    monkeypatch.setattr(pipeline_mod, "MAX_JOBS", 3)
     cache = open_cache(cache_dir)
+    keys = []
     for i in range(6):
-        prg = cache.program(cl_ctx, small_source(name=f"bounded{i}")).build()
+        prg = acc.Program(cl_ctx, small_source(name=f"bounded{i}"), cache=cache).build()
         assert run_twice(cl_ctx, prg, name=f"bounded{i}")
+        keys.append(prg.cache_key)
     assert cache.flush(120)
     assert cache.stats().writes == 6
-    assert len(cache._jobs) <= 3
+    kept = [k for k in keys if cache.job(k) is not None]
+    assert kept == keys[-3:]  # the newest
     cache.close()

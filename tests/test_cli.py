@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from asyncclcache import __version__, lifetime
+from asyncclcache import __version__
 from asyncclcache.entry import Entry
 from asyncclcache.keys import FORMAT_VERSION
 from asyncclcache.ranks import RANK_ENV_VARS
+from asyncclcache.stats import read_lifetime
 from asyncclcache.store import PublishResult, Store
 from conftest import run_child
 
@@ -230,7 +231,7 @@ from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
 for i in range(int(sys.argv[2])):
-    cache.program(ctx, small_source(salt=f"stats-{i}")).build()
+    acc.Program(ctx, small_source(salt=f"stats-{i}"), cache=cache).build()
 cache.flush(120)
 print(json.dumps(cache.stats().as_dict()))
 """
@@ -252,13 +253,13 @@ print(json.dumps(cache.stats().as_dict()))
 def test_concurrent_lifetime_updates_are_not_lost(tmp_path: Path) -> None:
     code = r"""
 import sys
-from asyncclcache import lifetime
+from asyncclcache.stats import add_lifetime
 for _ in range(50):
-    assert lifetime.add(sys.argv[1], {"hits": 1, "writes": 2}, timeout=30)
+    assert add_lifetime(sys.argv[1], {"hits": 1, "writes": 2}, timeout=30)
 """
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)]) for _ in range(4)]
     assert [p.wait(120) for p in procs] == [0] * 4
-    values = lifetime.read(tmp_path)
+    values = read_lifetime(tmp_path)
     assert (values["hits"], values["writes"]) == (200, 400)
 
 

@@ -53,8 +53,14 @@ def test_round_trip() -> None:
     assert back.nbytes == entry.nbytes == sum(len(b) for b in entry.binaries)
     for name, value in entry.meta.items():
         assert back.meta[name] == value
-    assert back.meta["format"] == FORMAT_VERSION
-    assert back.meta["binary_sizes"] == [len(b) for b in entry.binaries]
+    assert back.meta == entry.meta
+    assert (back.meta.options, back.meta.created, back.meta.build_logs) == (
+        "-DX=1", 1234.5, ["", "warning: \u00e9"])
+    # The framing fields are in the stored JSON, not in the metadata readers see.
+    stored = json.loads(_parts(data)[1])
+    assert (stored["key"], stored["format"]) == (KEY, FORMAT_VERSION)
+    assert stored["binary_sizes"] == [len(b) for b in entry.binaries]
+    assert "format" not in back.meta
     # Stable: encoding the decoded entry gives the same bytes.
     assert encode(back) == data
 
@@ -181,3 +187,15 @@ def test_sealed_good_metadata_decodes() -> None:
 
 def test_error_is_a_value_error() -> None:
     assert issubclass(EntryFormatError, ValueError)
+
+
+def test_metadata_is_typed_and_keeps_unknown_fields() -> None:
+    entry = Entry(KEY, (b"x",), {"devices": [{"device_name": "d"}], "kind": "binary",
+                                 "compile_seconds": 2.5, "from_a_newer_writer": {"a": 1}})
+    back = decode(encode(entry))
+    assert back.meta.compile_seconds == 2.5 and back.meta.kind == "binary"
+    assert back.meta.devices == [{"device_name": "d"}] and back.meta.files is None
+    assert back.meta.extra == {"from_a_newer_writer": {"a": 1}}
+    assert encode(back) == encode(entry)
+    with pytest.raises(EntryFormatError, match="'created' is str"):
+        Entry(KEY, (b"x",), {"devices": [], "created": "yesterday"})

@@ -30,12 +30,12 @@ def files():
                   if p.is_file() and p.parent != pocl and p.name != "last_accessed")
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy=sys.argv[3] if len(sys.argv) > 3 else "auto")
-prg = cache.program(ctx, small_source(salt=sys.argv[2], repeat=20)).build()
+prg = acc.Program(ctx, small_source(salt=sys.argv[2], repeat=20), cache=cache).build()
 after_build = files()
 ok = run_twice(ctx, prg, local_size=(16,))
 after_launch = files()
 flushed = cache.flush(120)
-drivers = sorted(cache._drivers)
+drivers = sorted(cache.drivers)
 print(json.dumps({"ok": ok, "flushed": flushed, "after_build": after_build, "after_launch": after_launch,
                   "key": prg.cache_key, "drivers": drivers, "stats": cache.stats().as_dict()}))
 """
@@ -82,7 +82,7 @@ def test_threads_building_at_once_each_find_their_own_folder(cl_ctx, cache_dir, 
     prgs: dict[int, object] = {}
 
     def work(i: int) -> None:
-        prgs[i] = cache.program(cl_ctx, sources[i]).build()
+        prgs[i] = acc.Program(cl_ctx, sources[i], cache=cache).build()
         assert run_twice(cl_ctx, prgs[i], name=f"k{i}")
 
     assert not run_in_threads(4, work)
@@ -166,7 +166,7 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
 
 def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir)
-    prg = cache.program(cl_ctx, small_source()).build()
+    prg = acc.Program(cl_ctx, small_source(), cache=cache).build()
     assert cache.flush(120)
     store = Store(cache_dir)
     good = store.load(prg.cache_key)
@@ -186,10 +186,10 @@ def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache
     assert root is not None
     cache = open_cache(cache_dir)
     with cache.step() as _:
-        prg = cache.program(cl_ctx, small_source()).build()
+        prg = acc.Program(cl_ctx, small_source(), cache=cache).build()
         assert run_twice(cl_ctx, prg)
         # Find pocl's folder for this build the way the driver does, then remove it.
-        job = cache._jobs[prg.cache_key]
+        job = cache.job(prg.cache_key)
         (found,) = kcache.candidates(root, [(job.built_from, job.built_to)])
         (folder,) = kcache.choose(root, found, job.built_to, job.kernels)
         shutil.rmtree(root / folder)
@@ -202,7 +202,7 @@ def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache
 
 def test_refresh_rewrites_only_when_a_folder_gained_a_variant(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir)
-    prg = cache.program(cl_ctx, small_source()).build()
+    prg = acc.Program(cl_ctx, small_source(), cache=cache).build()
     assert run_twice(cl_ctx, prg, local_size=(4,))
     assert cache.flush(60)
     assert cache.flush(60) and cache.flush(60)  # nothing new: nothing rewritten
@@ -229,7 +229,7 @@ def test_a_hit_that_compiles_a_new_variant_refreshes_its_entry(cache_dir):
 def test_snapshot_waits_for_the_first_launch(cl_ctx, cache_dir, open_cache):
     # Outside a step the entry is taken once every kernel has a variant (or after a while).
     cache = open_cache(cache_dir)
-    prg = cache.program(cl_ctx, small_source()).build()
+    prg = acc.Program(cl_ctx, small_source(), cache=cache).build()
     assert run_twice(cl_ctx, prg, local_size=(2,))
     import time
 
@@ -316,17 +316,17 @@ def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir, open_
         os.utime(root / f"Z{i}", (time.time() - time_ago, time.time() - time_ago))
 
     cache = open_cache(cache_dir)
-    prg = cache.program(cl_ctx, small_source(name="fresh_kernel_name_xyz")).build()
+    prg = acc.Program(cl_ctx, small_source(name="fresh_kernel_name_xyz"), cache=cache).build()
     assert run_twice(cl_ctx, prg, name="fresh_kernel_name_xyz")
     assert cache.flush(60)
-    driver = cache._drivers["kcache"]
+    driver = cache.drivers["kcache"]
     assert cache.stats().writes == 1 and driver.full_scans == 0
 
     # Built before without the cache: pocl serves it from its existing folder.
     src = small_source(name="seen_before_abc")
     assert run_twice(cl_ctx, cl.Program(cl_ctx, src).build(), name="seen_before_abc")
     time.sleep(0.2)
-    prg2 = cache.program(cl_ctx, src).build()
+    prg2 = acc.Program(cl_ctx, src, cache=cache).build()
     assert run_twice(cl_ctx, prg2, name="seen_before_abc")
     assert cache.flush(60)
     assert cache.stats().writes == 2 and cache.stats().unidentified == 0 and driver.full_scans == 1
@@ -348,11 +348,11 @@ from kernels import small_source, run_twice
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
-prgs = [cache.program(ctx, small_source(name=f"k{i}")).build() for i in range(3)]
+prgs = [acc.Program(ctx, small_source(name=f"k{i}"), cache=cache).build() for i in range(3)]
 assert all(run_twice(ctx, p, name=f"k{i}") for i, p in enumerate(prgs))
 flushed = [cache.flush(120) for _ in range(3)]
 print(json.dumps({"flushed": flushed, "stats": cache.stats().as_dict(),
-                  "requests": cache._drivers["process"].requests}))
+                  "requests": cache.drivers["process"].requests}))
 """
     out = child_json(run_child(code, str(cache_dir), env={"POCL_KERNEL_CACHE": "0"}))
     assert out["flushed"] == [True] * 3

@@ -327,7 +327,7 @@ from _pocl import pocl_context
 ctx = pocl_context(); q = cl.CommandQueue(ctx)
 src = "#ifndef V\n#define V 1\n#endif\n__kernel void f(__global float *c) { c[get_global_id(0)] = V; }"
 cache = acc.Cache(sys.argv[1])
-prg = cache.program(ctx, src).build()
+prg = acc.Program(ctx, src, cache=cache).build()
 c = np.zeros(4, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
 prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
 cache.flush(60)

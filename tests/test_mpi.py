@@ -37,7 +37,7 @@ cache = acc.Cache(sys.argv[1], rank_local=(sys.argv[3] == "local"))
 ctx = pocl_context()
 ok = True
 for i in range(int(sys.argv[4])):
-    prg = cache.program(ctx, small_source(salt=f"mpi-{rank}-{i}" if distinct else f"mpi-{i}")).build()
+    prg = acc.Program(ctx, small_source(salt=f"mpi-{rank}-{i}" if distinct else f"mpi-{i}"), cache=cache).build()
     ok = run_twice(ctx, prg) and ok
 flushed = cache.flush(180)
 total = cache.stats(comm=comm)
@@ -151,8 +151,8 @@ from kernels import seed_source
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], rank_local=False, strategy="process")   # the helper holds the claim for seconds
-cache.program(ctx, seed_source(1000, salt="claim-test")).build()
-lock = cache.store.path_for(cache._jobs and next(iter(cache._jobs))).with_suffix(".lock")
+prg = acc.Program(ctx, seed_source(1000, salt="claim-test"), cache=cache).build()
+lock = cache.store.path_for(prg.cache_key).with_suffix(".lock")
 while not lock.exists():     # the worker claims the key before the helper starts compiling
     time.sleep(0.01)
 print("claimed", flush=True)
@@ -169,7 +169,7 @@ from kernels import seed_source, run_twice
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], rank_local=False, strategy="process")
-prg = cache.program(ctx, seed_source(1000, salt="claim-test")).build()
+prg = acc.Program(ctx, seed_source(1000, salt="claim-test"), cache=cache).build()
 print(json.dumps({"flushed": cache.flush(300), "stats": cache.stats().as_dict()}))
 """
 

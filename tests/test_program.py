@@ -18,7 +18,7 @@ from kernels import run_twice, small_source
 def test_behaves_like_pyopencl_program(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir)
     src = small_source("twice") + "__kernel void other(__global float *x) { x[0] = 1.0f; }\n"
-    prg = cache.program(cl_ctx, src)
+    prg = acc.Program(cl_ctx, src, cache=cache)
     assert isinstance(prg, cl.Program)
     assert prg.build() is prg
     assert run_twice(cl_ctx, prg)
@@ -36,7 +36,7 @@ def test_bad_source_raises_like_pyopencl_and_writes_nothing(cl_ctx, cache_dir, o
         cl.Program(cl_ctx, bad).build()
     cache = open_cache(cache_dir)
     with pytest.raises(cl.RuntimeError) as ours:
-        cache.program(cl_ctx, bad).build()
+        acc.Program(cl_ctx, bad, cache=cache).build()
     assert type(ours.value) is type(theirs.value)
     assert ours.value.code == theirs.value.code == cl.status_code.BUILD_PROGRAM_FAILURE
     assert "undefined_name" in str(ours.value)  # the build log is in the message
@@ -52,7 +52,7 @@ def test_bad_options_raise_like_pyopencl(cl_ctx, cache_dir, open_cache):
     with pytest.raises(cl.Error) as theirs:
         cl.Program(cl_ctx, src).build(options=["-Dbroken=(", "-cl-no-such-option"])
     with pytest.raises(cl.Error) as ours:
-        open_cache(cache_dir).program(cl_ctx, src).build(options=["-Dbroken=(", "-cl-no-such-option"])
+        acc.Program(cl_ctx, src, cache=open_cache(cache_dir)).build(options=["-Dbroken=(", "-cl-no-such-option"])
     assert type(ours.value) is type(theirs.value)
     assert ours.value.code == theirs.value.code
 
@@ -74,7 +74,7 @@ generic = lambda: sorted(str(p) for p in pocl.rglob("0-0-0"))
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy="process")
 t = time.perf_counter()
-prg = cache.program(ctx, seed_source(300)).build()
+prg = acc.Program(ctx, seed_source(300), cache=cache).build()
 after_build = {"generic": generic(), "pending": cache.stats().pending, "writes": cache.stats().writes}
 ok = cache.flush(300)
 print(json.dumps({"after_build": after_build, "flushed": ok, "generic_after": generic(),
@@ -96,7 +96,7 @@ from kernels import small_source, run_twice
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
-prg = cache.program(ctx, small_source(salt="fixed-for-two-runs")).build()
+prg = acc.Program(ctx, small_source(salt="fixed-for-two-runs"), cache=cache).build()
 ok = run_twice(ctx, prg, local_size=(64,))
 flushed = cache.flush(120)
 print(json.dumps({"ok": ok, "flushed": flushed, "stats": cache.stats().as_dict()}))
@@ -112,8 +112,8 @@ print(json.dumps({"ok": ok, "flushed": flushed, "stats": cache.stats().as_dict()
 
 def test_helper_started_once_idle_priority_and_reaped(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir, strategy="process")
-    prgs = [cache.program(cl_ctx, small_source()).build() for _ in range(3)]
-    driver = cache._drivers["process"]
+    prgs = [acc.Program(cl_ctx, small_source(), cache=cache).build() for _ in range(3)]
+    driver = cache.drivers["process"]
     assert cache.flush(120)
     assert driver.starts == 1
     pid = driver.helper_pid
@@ -134,8 +134,8 @@ from kernels import seed_source
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy="process")
-cache.program(ctx, seed_source(1000)).build()   # the helper will compile for seconds
-driver = cache._drivers["process"]
+acc.Program(ctx, seed_source(1000), cache=cache).build()   # the helper will compile for seconds
+driver = cache.drivers["process"]
 while driver.helper_pid is None:
     time.sleep(0.05)
 print(driver.helper_pid, flush=True)
@@ -163,7 +163,7 @@ def _alive(pid: int) -> bool:
 def test_damaged_entry_rebuilds_warns_and_is_replaced(cl_ctx, cache_dir, open_cache):
     src = small_source()
     cache = open_cache(cache_dir)
-    prg = cache.program(cl_ctx, src).build()
+    prg = acc.Program(cl_ctx, src, cache=cache).build()
     assert cache.flush(120)
     path = Store(cache_dir).path_for(prg.cache_key)
     data = bytearray(path.read_bytes())
@@ -173,7 +173,7 @@ def test_damaged_entry_rebuilds_warns_and_is_replaced(cl_ctx, cache_dir, open_ca
 
     again = open_cache(cache_dir)  # no memory of the good entry
     with pytest.warns(acc.CorruptEntryWarning):
-        prg2 = again.program(cl_ctx, src).build()
+        prg2 = acc.Program(cl_ctx, src, cache=again).build()
     assert run_twice(cl_ctx, prg2)
     assert again.stats().misses == 1
     assert again.flush(120)
@@ -188,7 +188,7 @@ def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir, open_c
 
     src = small_source()
     cache = open_cache(cache_dir, strategy="process")
-    prg = cache.program(cl_ctx, src).build()
+    prg = acc.Program(cl_ctx, src, cache=cache).build()
     assert cache.flush(120)
     store = Store(cache_dir)
     good = store.load(prg.cache_key)
@@ -200,7 +200,7 @@ def test_rejected_binary_falls_back_and_replaces_entry(cl_ctx, cache_dir, open_c
 
     again = open_cache(cache_dir, strategy="process")
     with pytest.warns(acc.BinaryRejectedWarning):
-        prg2 = again.program(cl_ctx, src).build()
+        prg2 = acc.Program(cl_ctx, src, cache=again).build()
     assert run_twice(cl_ctx, prg2)
     assert again.stats().rejected == 1
     assert again.flush(120)
@@ -217,7 +217,7 @@ def test_concurrent_builds_from_four_threads(cl_ctx, cache_dir, open_cache):
 
     def work(i: int) -> None:
         for src in (sources[i], shared):
-            prg = cache.program(cl_ctx, src).build()
+            prg = acc.Program(cl_ctx, src, cache=cache).build()
             results.append(run_twice(cl_ctx, prg))
 
     assert not run_in_threads(4, work)
@@ -230,7 +230,7 @@ def test_concurrent_builds_from_four_threads(cl_ctx, cache_dir, open_cache):
 
 def test_background_write_error_counted_not_raised(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir)
-    prg = cache.program(cl_ctx, small_source())
+    prg = acc.Program(cl_ctx, small_source(), cache=cache)
     # Block the entry's fan-out directory with a regular file: the write must fail.
     from asyncclcache.keys import make_key
 
@@ -258,7 +258,7 @@ from _pocl import pocl_context
 warnings.simplefilter("ignore")
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
-prg = cache.program(ctx, small_source())
+prg = acc.Program(ctx, small_source(), cache=cache)
 opts, inc = prg._process_build_options(ctx, None)
 key = make_key(prg._source.encode(), opts, ctx.devices, inc, kind=cache.driver_for(ctx.devices).kind).key
 (pathlib.Path(cache.directory) / key[:2]).write_bytes(b"in the way")
@@ -283,8 +283,8 @@ from kernels import seed_source
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy="process")
-cache.program(ctx, seed_source(1000)).build()
-driver = cache._drivers["process"]
+acc.Program(ctx, seed_source(1000), cache=cache).build()
+driver = cache.drivers["process"]
 while driver.helper_pid is None:
     time.sleep(0.05)
 print(driver.helper_pid, time.time(), flush=True)
@@ -318,11 +318,11 @@ from kernels import small_source, run_twice
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy=sys.argv[2])
-prg = cache.program(ctx, small_source(salt="strategy-" + sys.argv[2])).build()
+prg = acc.Program(ctx, small_source(salt="strategy-" + sys.argv[2]), cache=cache).build()
 flushed = cache.flush(120)   # before launching: no query races a launch (F13)
 ok = run_twice(ctx, prg)
 print(json.dumps({"ok": ok, "flushed": flushed, "stats": cache.stats().as_dict(),
-                  "drivers": sorted(cache._drivers)}))
+                  "drivers": sorted(cache.drivers)}))
 """
     first = child_json(run_child(code, str(cache_dir), strategy))
     assert first["ok"] and first["flushed"] and first["drivers"] == [strategy]
@@ -352,7 +352,7 @@ from _pocl import pocl_devices
 devs = pocl_devices()
 ctx = cl.Context(devs)
 cache = acc.Cache(sys.argv[1])
-prg = cache.program(ctx, small_source(salt="two-devices")).build()
+prg = acc.Program(ctx, small_source(salt="two-devices"), cache=cache).build()
 flushed = cache.flush(120)
 entry = cache.store.load(prg.cache_key)
 print(json.dumps({"ndev": len(devs), "ok": run_twice(ctx, prg), "flushed": flushed,
@@ -382,7 +382,7 @@ ctx = pocl_context()
 q = cl.CommandQueue(ctx)
 src = "__kernel void f(__global float *c) { c[get_global_id(0)] = FACTOR; }"
 cache = acc.Cache(sys.argv[1])
-prg = cache.program(ctx, src).build()
+prg = acc.Program(ctx, src, cache=cache).build()
 c = np.zeros(8, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
 prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
 cache.flush(60)
@@ -404,7 +404,7 @@ from kernels import small_source, run_twice
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
-prg = cache.program(ctx, small_source()).build()
+prg = acc.Program(ctx, small_source(), cache=cache).build()
 print(json.dumps({"ok": run_twice(ctx, prg), "flushed": cache.flush(10), "stats": cache.stats().as_dict()}))
 """
     out = child_json(run_child(code, str(cache_dir), env={"ASYNCCLCACHE_DISABLE": "1"}))
@@ -424,7 +424,7 @@ from kernels import seed_source
 from _pocl import pocl_context
 cache = acc.Cache(sys.argv[1], strategy="process", exit_timeout=60)
 ctx = pocl_context()
-cache.program(ctx, seed_source(600, salt="fork-parent")).build()
+acc.Program(ctx, seed_source(600, salt="fork-parent"), cache=cache).build()
 assert cache.stats().pending == 1
 r, w = os.pipe()
 t0 = time.monotonic()
@@ -466,10 +466,10 @@ from kernels import small_source, run_twice
 from _pocl import pocl_context
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], strategy="process")
-prg = cache.program(ctx, small_source(salt="sitecustomize")).build()
+prg = acc.Program(ctx, small_source(salt="sitecustomize"), cache=cache).build()
 ok = run_twice(ctx, prg)
 print(json.dumps({"ok": ok, "flushed": cache.flush(120), "stats": cache.stats().as_dict(),
-                  "crashes": cache._drivers["process"].crashes}))
+                  "crashes": cache.drivers["process"].crashes}))
 """
     from conftest import ROOT
 

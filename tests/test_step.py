@@ -27,7 +27,7 @@ cd = cl.Buffer(ctx, mf.WRITE_ONLY, a.nbytes)
 cache = acc.Cache(sys.argv[1])
 src = seed_source(300, salt="step-test")
 with cache.step() as step:
-    prg = cache.program(ctx, src).build()
+    prg = acc.Program(ctx, src, cache=cache).build()
     before = variants(16)
     t = time.perf_counter()
     prg.sum(q, (n,), (16,), ad, ad, cd); q.finish()
@@ -67,7 +67,7 @@ from _pocl import pocl_context
 pocl = pathlib.Path(os.environ["POCL_CACHE_DIR"])
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1])
-prg = cache.program(ctx, small_source(salt="refresh-test")).build()
+prg = acc.Program(ctx, small_source(salt="refresh-test"), cache=cache).build()
 if sys.argv[2] == "first":
     assert cache.flush(120)                       # snapshot right after the warm-up
     first = cache.stats().as_dict()
@@ -90,13 +90,13 @@ else:
 
 def test_unchanged_program_is_not_rewritten_at_flush(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir, strategy="process")
-    prg = cache.program(cl_ctx, small_source()).build()
+    prg = acc.Program(cl_ctx, small_source(), cache=cache).build()
     assert run_twice(cl_ctx, prg)
     assert cache.flush(120)
     # The launch compiled its variant before the helper (a new process) got to the
     # snapshot, so the entry has it and later flushes do not even ask the helper.
     assert cache.flush(120) and cache.flush(120)
-    assert cache._drivers["process"].requests == 1
+    assert cache.drivers["process"].requests == 1
     assert cache.stats().writes == 1 and cache.stats().refreshes == 0
     cache.close()
 
@@ -105,15 +105,15 @@ def test_wait_true_flushes_at_exit_and_counts(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir)
     src = small_source()
     with cache.step(wait=True) as step:
-        a = cache.program(cl_ctx, src).build()
-        b = cache.program(cl_ctx, small_source()).build()
+        a = acc.Program(cl_ctx, src, cache=cache).build()
+        b = acc.Program(cl_ctx, small_source(), cache=cache).build()
         assert run_twice(cl_ctx, a) and run_twice(cl_ctx, b)
         assert cache.stats().writes == 0  # nothing is written before the block's exit
     assert (step.built, step.hits, step.misses) == (2, 0, 2)
     stats = cache.stats()
     assert stats.pending == 0 and stats.writes == 2
     with cache.step() as again:
-        cache.program(cl_ctx, src).build()
+        acc.Program(cl_ctx, src, cache=cache).build()
     assert (again.built, again.hits, again.misses) == (1, 1, 0)
     cache.close()
 
@@ -121,9 +121,9 @@ def test_wait_true_flushes_at_exit_and_counts(cl_ctx, cache_dir, open_cache):
 def test_nested_steps(cl_ctx, cache_dir, open_cache):
     cache = open_cache(cache_dir)
     with cache.step() as outer:
-        cache.program(cl_ctx, small_source()).build()
+        acc.Program(cl_ctx, small_source(), cache=cache).build()
         with cache.step(wait=True) as inner:
-            cache.program(cl_ctx, small_source()).build()
+            acc.Program(cl_ctx, small_source(), cache=cache).build()
         assert (inner.built, inner.misses) == (1, 1)
         assert cache.stats().writes == 1  # the inner block's program, at its exit
     assert (outer.built, outer.misses) == (2, 2)
@@ -138,7 +138,7 @@ def test_exception_in_step_propagates_and_still_schedules(cl_ctx, cache_dir, ope
         pass
 
     with pytest.raises(Boom), cache.step() as step:
-        prg = cache.program(cl_ctx, small_source()).build()
+        prg = acc.Program(cl_ctx, small_source(), cache=cache).build()
         raise Boom
     assert step.misses == 1
     assert cache.flush(120)
@@ -160,14 +160,14 @@ def test_default_cache_step_shortcut(cl_ctx):
 def test_refresh_matches_by_program_not_kernel_name(cl_ctx, cache_dir, open_cache):
     # Issue 12: 12 programs whose kernel is named `k` cost 78 helper requests at flush.
     cache = open_cache(cache_dir, strategy="process")
-    prgs = [cache.program(cl_ctx, small_source(name="k", salt=f"same-name-{i}", repeat=i + 1)).build()
+    prgs = [acc.Program(cl_ctx, small_source(name="k", salt=f"same-name-{i}", repeat=i + 1), cache=cache).build()
             for i in range(12)]
     assert cache.flush(300)
     for p in prgs:  # a launch, then a flush: only that program gained a variant
         assert run_twice(cl_ctx, p, name="k", local_size=(4,))
         assert cache.flush(300)
     assert cache.flush(300)
-    driver = cache._drivers["process"]
+    driver = cache.drivers["process"]
     # One snapshot each, plus one refresh each for the variant its launch compiled.
     assert driver.requests == 24, driver.requests
     assert cache.stats().refreshes == 12

@@ -31,10 +31,10 @@ from _store_helpers import (  # noqa: F401 (the fixtures: pytest finds them here
     store_fixture,
 )
 from asyncclcache.entry import encode
+from asyncclcache.maintenance import TEMP_MAX_AGE
 from asyncclcache.store import (
     ENTRY_SUFFIX,
     LOCK_SUFFIX,
-    TEMP_MAX_AGE,
     TEMP_PREFIX,
     TEMP_SUFFIX,
     PublishResult,

@@ -151,7 +151,7 @@ def test_uncached_build_still_works_in_a_bad_directory(
     with pytest.warns(CacheDirWarning):
         cache = acc.Cache(directory=f / "cache")
     try:
-        prg = cache.program(cl_ctx, small_source("twice")).build()
+        prg = acc.Program(cl_ctx, small_source("twice"), cache=cache).build()
         assert run_twice(cl_ctx, prg)
         assert cache.flush(30)
         stats = cache.stats()
@@ -362,7 +362,7 @@ from _pocl import pocl_context
 with warnings.catch_warnings(record=True) as said:
     cache = acc.Cache(sys.argv[1])
     ctx = pocl_context()
-    prgs = [cache.program(ctx, small_source(name=n, salt=n)).build() for n in ("ro_a", "ro_b")]
+    prgs = [acc.Program(ctx, small_source(name=n, salt=n), cache=cache).build() for n in ("ro_a", "ro_b")]
     ok = all(run_twice(ctx, p, name=n) for p, n in zip(prgs, ("ro_a", "ro_b")))
     flushed = cache.flush(60)
     cache.close()

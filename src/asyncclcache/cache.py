@@ -272,6 +272,11 @@ class Cache:
             self._driver_by_devices[ids] = d
             return d
 
+    def job(self, key: str) -> Job | None:
+        """What this process keeps of the program it built (or hit) under ``key``: its
+        build window, kernels, pocl folders, ... (``None`` if none, or no longer kept)."""
+        return self._pipeline.job(key)
+
     @property
     def drivers(self) -> dict[str, Driver]:
         """The drivers created so far, by strategy name (a copy)."""
