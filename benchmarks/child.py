@@ -218,7 +218,7 @@ def task_first_result() -> None:
     RESULT["steps_s"] = pc() - ts
     RESULT["steps"] = steps
     if CACHE is not None:
-        RESULT["strategies_used"] = sorted(CACHE._drivers)
+        RESULT["strategies_used"] = sorted(CACHE.drivers)
     RESULT["build_descr"] = bench.build_descr
     RESULT["stats_timed"] = _stats()
     if CACHE is not None:
