@@ -26,7 +26,6 @@ import lzma
 import os
 import re
 import tarfile
-import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from io import BytesIO
 from pathlib import Path
 
 from .entry import EntryFormatError
+from .fileio import atomic_writer
 from .keys import FORMAT_VERSION
 from .store import PublishResult, Store, check_data
 
@@ -104,28 +104,16 @@ def export_archive(
     mode = compression(out)
     out = Path(out)
     result = ExportResult()
-    fd, tmp = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.",
-                               suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as f, tarfile.open(  # type: ignore[call-overload]
-            fileobj=f, mode=f"w:{mode}" if mode else "w", format=tarfile.PAX_FORMAT
-        ) as tar:
-            for store in stores:
-                for name, data, mtime in _entries(store, device, result):
-                    info = tarfile.TarInfo(name)
-                    info.size, info.mode, info.mtime = len(data), 0o600, int(mtime)
-                    tar.addfile(info, BytesIO(data))
-                    result.entries += 1
-                    result.bytes += len(data)
-            tar.close()
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_writer(out.parent, out, prefix=f".{out.name}.") as f, tarfile.open(  # type: ignore[call-overload]
+        fileobj=f, mode=f"w:{mode}" if mode else "w", format=tarfile.PAX_FORMAT
+    ) as tar:
+        for store in stores:
+            for name, data, mtime in _entries(store, device, result):
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = len(data), 0o600, int(mtime)
+                tar.addfile(info, BytesIO(data))
+                result.entries += 1
+                result.bytes += len(data)
     return result
 
 

@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
         prog="asyncclcache",
-        description="Inspect and maintain the asyncclcache binary cache.",
+        description="Run programs through the asyncclcache binary cache; inspect, maintain and ship it.",
         epilog="Exit codes: 0 ok, 1 verify found bad entries or import refused an archive, "
         "2 usage error or a foreign or unusable cache directory (a missing one is empty); "
         "run: the program's.",
@@ -410,30 +410,31 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("info", parents=[common], help="directory, entries, versions, limits, stats")
-    p.set_defaults(func=cmd_info)
-    p = sub.add_parser("list", parents=[common], help="one line per entry")
-    p.add_argument("--device", help="only entries for devices whose name contains this")
-    p.set_defaults(func=cmd_list)
-    p = sub.add_parser("verify", parents=[common], help="check every entry; exit 1 if any is bad")
-    p.add_argument("--fix", action="store_true", help="remove bad entries and orphaned files")
-    p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("prune", parents=[common], help="evict least recently used entries")
-    p.add_argument("--max-size", type=_size_arg, help="keep at most this much, e.g. 500M")
-    p.add_argument("--older-than", type=parse_age, help="evict entries unused this long, e.g. 30d")
-    p.set_defaults(func=cmd_prune)
-    p = sub.add_parser("clear", parents=[common], help="remove every entry")
-    p.add_argument("--yes", action="store_true", help="do not ask")
-    p.set_defaults(func=cmd_clear)
-    p = sub.add_parser("stats", parents=[common], help="lifetime counters of the directory")
-    p.add_argument("--reset", action="store_true", help="zero them")
-    p.set_defaults(func=cmd_stats)
+    device: tuple[tuple[str, ...], dict[str, Any]] = (
+        ("--device",), {"help": "only entries for devices whose name contains this"})
+    commands: list[tuple[str, Any, str, list[tuple[tuple[str, ...], dict[str, Any]]]]] = [
+        ("info", cmd_info, "directory, entries, versions, limits, stats", []),
+        ("list", cmd_list, "one line per entry", [device]),
+        ("verify", cmd_verify, "check every entry; exit 1 if any is bad",
+         [(("--fix",), {"action": "store_true", "help": "remove bad entries and orphaned files"})]),
+        ("prune", cmd_prune, "evict least recently used entries",
+         [(("--max-size",), {"type": _size_arg, "help": "keep at most this much, e.g. 500M"}),
+          (("--older-than",), {"type": parse_age, "help": "evict entries unused this long, e.g. 30d"})]),
+        ("clear", cmd_clear, "remove every entry", [(("--yes",), {"action": "store_true", "help": "do not ask"})]),
+        ("stats", cmd_stats, "lifetime counters of the directory",
+         [(("--reset",), {"action": "store_true", "help": "zero them"})]),
+    ]
+    for name, func, text, options in commands:
+        p = sub.add_parser(name, parents=[common], help=text)
+        for flags, kwargs in options:
+            p.add_argument(*flags, **kwargs)
+        p.set_defaults(func=func)
     p = sub.add_parser("export", parents=[common], help="pack the cache into one tar archive")
     p.add_argument("file", type=Path, help="archive to write: .tar, .tar.gz/.tgz, .tar.xz, .tar.bz2")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, help="only this MPI rank's directory")
     which.add_argument("--shared", action="store_true", help="only the shared (not rank-local) directory")
-    p.add_argument("--device", help="only entries for devices whose name contains this")
+    p.add_argument(*device[0], **device[1])
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import", parents=[common],
                        help="merge an archive into the cache (checked first; exit 1 if refused)")

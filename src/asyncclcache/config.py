@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -70,21 +71,14 @@ class Config:
         strategy = e.get("ASYNCCLCACHE_STRATEGY", "auto").strip().lower() or "auto"
         if strategy not in STRATEGIES:
             raise ValueError(f"ASYNCCLCACHE_STRATEGY: expected one of {STRATEGIES}, got {strategy!r}")
-        raw = e.get("ASYNCCLCACHE_WORKERS", "1") or "1"
-        try:
-            workers = int(raw)
-        except ValueError:
-            raise ValueError(f"ASYNCCLCACHE_WORKERS: expected an integer, got {raw!r}") from None
+        workers = int(_number(e, "ASYNCCLCACHE_WORKERS", "1", int, "an integer"))
         if not 1 <= workers <= 256:
             raise ValueError(f"ASYNCCLCACHE_WORKERS: must be between 1 and 256, got {workers}")
-        raw = e.get("ASYNCCLCACHE_EXIT_TIMEOUT", "5") or "5"
-        try:
-            exit_timeout = float(raw)
-        except ValueError:
-            raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected seconds, got {raw!r}") from None
+        exit_timeout = _number(e, "ASYNCCLCACHE_EXIT_TIMEOUT", "5", float, "seconds")
         # nan compares false with everything: a wait bounded by it would never end.
         if not (math.isfinite(exit_timeout) and exit_timeout >= 0):
-            raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected a finite number of seconds >= 0, got {raw!r}")
+            raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected a finite number of seconds >= 0, "
+                             f"got {e.get('ASYNCCLCACHE_EXIT_TIMEOUT')!r}")
         try:
             max_size = parse_size(e.get("ASYNCCLCACHE_MAX_SIZE") or None)  # empty: unset
         except ValueError as err:
@@ -103,6 +97,14 @@ class Config:
             install=bool(parse_bool(e.get("ASYNCCLCACHE_INSTALL"), name="ASYNCCLCACHE_INSTALL")),
             stats=bool(parse_bool(e.get("ASYNCCLCACHE_STATS"), name="ASYNCCLCACHE_STATS")),
         )
+
+
+def _number(env: Mapping[str, str], name: str, default: str, kind: type[float], what: str) -> float:
+    raw = env.get(name, default) or default  # empty: unset
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected {what}, got {raw!r}") from None
 
 
 @lru_cache(maxsize=1)

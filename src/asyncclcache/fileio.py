@@ -19,8 +19,9 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = [
     "CLOEXEC",
@@ -31,6 +32,7 @@ __all__ = [
     "TEMP_SUFFIX",
     "InsecurePathError",
     "atomic_write",
+    "atomic_writer",
     "insecure",
     "make_private_dir",
     "nofollow_opener",
@@ -116,19 +118,20 @@ def temp_writer(name: str) -> tuple[str | None, int | None]:
     return None, None
 
 
-def atomic_write(
-    directory: Path, target: Path, data: bytes, write_hook: Callable[[str], None] | None = None
-) -> None:
-    """Write ``data`` to ``target`` (in ``directory``) so that readers see the old file or
-    the whole new one, mode 0600, durable when this returns. Raises ``OSError`` after
-    removing its temp file. ``write_hook(temp_path)`` runs before the data is written
-    (tests widen the window with it)."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=temp_prefix(), suffix=TEMP_SUFFIX)
+@contextlib.contextmanager
+def atomic_writer(
+    directory: Path, target: Path, *, prefix: str | None = None, on_open: Callable[[str], None] | None = None
+) -> Iterator[BinaryIO]:
+    """A file to write ``target`` through: readers see the old file or the whole new one,
+    mode 0600, durable once the block ends. On an error in the block the temp file is
+    removed and nothing changes. ``directory`` holds ``target`` (same filesystem).
+    ``on_open(temp_path)`` runs first (tests widen the window with it)."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix or temp_prefix(), suffix=TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:  # owns fd from here: closed on any error
-            if write_hook is not None:
-                write_hook(tmp)
-            f.write(data)
+            if on_open is not None:
+                on_open(tmp)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o600)
@@ -143,3 +146,12 @@ def atomic_write(
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def atomic_write(
+    directory: Path, target: Path, data: bytes, write_hook: Callable[[str], None] | None = None
+) -> None:
+    """:func:`atomic_writer` for ``data``. Raises ``OSError`` after removing its temp file.
+    ``write_hook(temp_path)`` runs before the data is written (tests widen the window)."""
+    with atomic_writer(directory, target, on_open=write_hook) as f:
+        f.write(data)

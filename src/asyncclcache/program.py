@@ -22,6 +22,7 @@ import pyopencl as cl
 from pyopencl import _cl
 
 from .cache import Cache, default_cache
+from .drivers import SourceBuild
 from .errors import BinaryRejectedWarning
 from .keys import make_key
 
@@ -114,7 +115,7 @@ def _from_entry(
     refuses warns and is dropped; if the driver built from source anyway, that is a miss."""
     t0 = time.perf_counter()
     built_from = time.time()
-    result = driver.build_from_entry(entry, context, devs, options, build_source)
+    result = driver.build_from_entry(entry, SourceBuild(context, devs, options, build_source))
     duration = time.perf_counter() - t0
     if result.program is not None and result.used:
         cache.record_hit(info, entry, duration, source=source, devices=devs, folders=result.folders)

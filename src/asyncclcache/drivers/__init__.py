@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..keys import POCL_PLATFORM_NAME
-from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot
+from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
 from .kcache import kernel_cache_dir
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ __all__ = [
     "Lost",
     "Purpose",
     "Snapshot",
+    "SourceBuild",
     "auto_reason",
     "auto_strategy",
     "is_pocl_cpu",

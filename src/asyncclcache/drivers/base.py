@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..entry import Entry
     from ..keys import KeyInfo
 
-__all__ = ["Done", "Driver", "Dropped", "Hit", "Job", "Lost", "Purpose", "Snapshot"]
+__all__ = ["Done", "Driver", "Dropped", "Hit", "Job", "Lost", "Purpose", "Snapshot", "SourceBuild"]
 
 
 class Dropped(Exception):
@@ -93,6 +93,17 @@ class Job:
         return self.info.key
 
 
+@dataclass(frozen=True)
+class SourceBuild:
+    """The program a hit stands for: where it is built, and how to build it from source
+    (the fallback, raising as pyopencl does)."""
+
+    context: cl.Context
+    devices: Sequence[cl.Device]
+    options: bytes
+    build: Callable[[], Any]
+
+
 #: Called from a background thread with the snapshot or the error.
 Done = Callable[[Snapshot | None, BaseException | None], None]
 
@@ -153,22 +164,15 @@ class Driver(ABC):
     def hurry(self) -> None:  # noqa: B027 - optional hook
         """``flush()`` or exit: stop waiting for launches, snapshot what is there now."""
 
-    def build_from_entry(
-        self,
-        entry: Entry,
-        context: cl.Context,
-        devices: Sequence[cl.Device],
-        options: bytes,
-        build_source: Callable[[], Any],
-    ) -> Hit:
+    def build_from_entry(self, entry: Entry, source: SourceBuild) -> Hit:
         """Build the program from ``entry`` (caller's thread). Binary entries: create the
         program from the stored binaries; a driver that refuses them gives ``Hit(None, ...)``."""
         import pyopencl as cl
         from pyopencl import _cl
 
         try:
-            built = _cl._Program(context, list(devices), list(entry.binaries))
-            built.build(options, list(devices))
+            built = _cl._Program(source.context, list(source.devices), list(entry.binaries))
+            built.build(source.options, list(source.devices))
         except cl.Error as e:
             return Hit(None, False, f"{e.code}: {e.what if hasattr(e, 'what') else e}")
         return Hit(built, True)

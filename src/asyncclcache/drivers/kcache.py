@@ -31,17 +31,16 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
 from ..entry import valid_kcache_file as valid_file
 from ..fileio import CLOEXEC, NOFOLLOW
-from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot
+from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
 
 if TYPE_CHECKING:
-    import pyopencl as cl
 
     from ..entry import Entry
 
@@ -422,14 +421,7 @@ class KcacheDriver(Driver):
             if j.folders and not listing(self.root, j.folders) <= j.written_files
         ]
 
-    def build_from_entry(
-        self,
-        entry: Entry,
-        context: cl.Context,
-        devices: Sequence[cl.Device],
-        options: bytes,
-        build_source: Callable[[], Any],
-    ) -> Hit:
+    def build_from_entry(self, entry: Entry, source: SourceBuild) -> Hit:
         files = list(entry.meta.files or [])
         folders = entry_folders(files)
         since = time.time()
@@ -438,8 +430,8 @@ class KcacheDriver(Driver):
         except (OSError, ValueError) as e:
             # Our I/O failed, not the entry: build from source without restoring.
             logger.warning("asyncclcache: could not restore pocl's kernel cache: %s", e)
-            return Hit(build_source(), False, f"restore failed: {e}", (), blame_entry=False)
-        program = build_source()
+            return Hit(source.build(), False, f"restore failed: {e}", (), blame_entry=False)
+        program = source.build()
         # Devices of one kind share a folder, so one touched folder may serve them all.
         used = touched(self.root, folders, since)
         if not used:
