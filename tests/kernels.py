@@ -42,3 +42,20 @@ def run_twice(ctx, prg, name: str = "twice", n: int = 1024, local_size=None) -> 
     cl.enqueue_copy(q, c, cd)
     q.finish()
     return bool(np.allclose(c, 2 * a))
+
+
+#: A child script (``run_child(VALUE_CHILD, cache_dir, source)``): builds ``source``, one
+#: kernel ``f(__global float *c)``, through ``acc.Cache(cache_dir)``, launches it once and
+#: prints ``{"value": c[0], "key": the cache key, "hits": ...}``.
+VALUE_CHILD = r"""
+import json, sys
+import numpy as np, pyopencl as cl, asyncclcache as acc
+from _pocl import pocl_context
+ctx = pocl_context(); q = cl.CommandQueue(ctx)
+cache = acc.Cache(sys.argv[1])
+prg = acc.Program(ctx, sys.argv[2], cache=cache).build()
+c = np.zeros(8, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
+prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
+cache.flush(60)
+print(json.dumps({"value": float(c[0]), "key": prg.cache_key, "hits": cache.stats().hits}))
+"""

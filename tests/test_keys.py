@@ -19,6 +19,7 @@ from asyncclcache.keys import (
     scan_includes,
 )
 from conftest import child_json, run_child, small_source
+from kernels import VALUE_CHILD
 
 SOURCE = small_source(salt="test_keys").encode()
 OPTIONS = b"-DFOO=1"
@@ -320,25 +321,13 @@ def test_pocl_settings_and_host_cpu_are_in_the_key(cl_ctx: Any, monkeypatch: pyt
 
 def test_extra_build_flags_never_share_an_entry(cache_dir: Path) -> None:
     # Issue 12: a run with POCL_EXTRA_BUILD_FLAGS=-DV=2 and a plain run got each other's result.
-    code = r"""
-import json, sys
-import numpy as np, pyopencl as cl, asyncclcache as acc
-from _pocl import pocl_context
-ctx = pocl_context(); q = cl.CommandQueue(ctx)
-src = "#ifndef V\n#define V 1\n#endif\n__kernel void f(__global float *c) { c[get_global_id(0)] = V; }"
-cache = acc.Cache(sys.argv[1])
-prg = acc.Program(ctx, src, cache=cache).build()
-c = np.zeros(4, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
-prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
-cache.flush(60)
-print(json.dumps({"v": float(c[0]), "hits": cache.stats().hits}))
-"""
-    plain = child_json(run_child(code, str(cache_dir)))
-    flagged = child_json(run_child(code, str(cache_dir), env={"POCL_EXTRA_BUILD_FLAGS": "-DV=2"}))
-    again = child_json(run_child(code, str(cache_dir)))
-    assert plain == {"v": 1.0, "hits": 0}
-    assert flagged["v"] == 2.0 and flagged["hits"] == 0
-    assert again == {"v": 1.0, "hits": 1}
+    src = "#ifndef V\n#define V 1\n#endif\n__kernel void f(__global float *c) { c[get_global_id(0)] = V; }"
+    plain = child_json(run_child(VALUE_CHILD, str(cache_dir), src))
+    flagged = child_json(run_child(VALUE_CHILD, str(cache_dir), src, env={"POCL_EXTRA_BUILD_FLAGS": "-DV=2"}))
+    again = child_json(run_child(VALUE_CHILD, str(cache_dir), src))
+    assert (plain["value"], plain["hits"]) == (1.0, 0)
+    assert flagged["value"] == 2.0 and flagged["hits"] == 0 and flagged["key"] != plain["key"]
+    assert again == {"value": 1.0, "key": plain["key"], "hits": 1}
 
 
 # }}}

@@ -12,7 +12,7 @@ import pytest
 import asyncclcache as acc
 from asyncclcache.store import Store
 from conftest import child_json, run_child, run_in_threads
-from kernels import run_twice, small_source
+from kernels import VALUE_CHILD, run_twice, small_source
 
 
 def test_behaves_like_pyopencl_program(cl_ctx, cache_dir, open_cache):
@@ -374,25 +374,12 @@ print(json.dumps({"ndev": len(devs), "ok": run_twice(ctx, prg), "flushed": flush
 
 
 def test_pyopencl_build_options_are_part_of_the_key(cache_dir):
-    code = r"""
-import json, sys
-import numpy as np, pyopencl as cl, asyncclcache as acc
-from _pocl import pocl_context
-ctx = pocl_context()
-q = cl.CommandQueue(ctx)
-src = "__kernel void f(__global float *c) { c[get_global_id(0)] = FACTOR; }"
-cache = acc.Cache(sys.argv[1])
-prg = acc.Program(ctx, src, cache=cache).build()
-c = np.zeros(8, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
-prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
-cache.flush(60)
-print(json.dumps({"value": float(c[0]), "key": prg.cache_key, "hits": cache.stats().hits}))
-"""
-    three = child_json(run_child(code, str(cache_dir), env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=3"}))
-    five = child_json(run_child(code, str(cache_dir), env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=5"}))
+    src = "__kernel void f(__global float *c) { c[get_global_id(0)] = FACTOR; }"
+    three = child_json(run_child(VALUE_CHILD, str(cache_dir), src, env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=3"}))
+    five = child_json(run_child(VALUE_CHILD, str(cache_dir), src, env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=5"}))
     assert (three["value"], five["value"]) == (3.0, 5.0)
     assert three["key"] != five["key"] and five["hits"] == 0
-    again = child_json(run_child(code, str(cache_dir), env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=3"}))
+    again = child_json(run_child(VALUE_CHILD, str(cache_dir), src, env={"PYOPENCL_BUILD_OPTIONS": "-DFACTOR=3"}))
     assert again == {"value": 3.0, "key": three["key"], "hits": 1}
 
 

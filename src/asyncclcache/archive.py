@@ -125,10 +125,8 @@ def _entries(store: Store, device: str | None, result: ExportResult) -> Iterator
             if r.problem is not None:
                 result.damaged.append(f"{e.path}: {r.problem}")
             continue
-        if device is not None:
-            names = [d.get("device_name", "") for d in r.entry.meta.devices]
-            if not any(device.lower() in n.lower() for n in names):
-                continue
+        if device is not None and not r.entry.meta.for_device(device):
+            continue
         yield f"{prefix}/{e.key[:2]}/{e.key}.acl", r.data, e.mtime
 
 # }}}

@@ -193,8 +193,7 @@ class Cache:
             drivers = list(self._drivers.values())
         for d in drivers:
             d.hurry()
-        if not self._closed:
-            self._pipeline.refresh()
+        self._pipeline.refresh()
         done = self._pipeline.wait(timeout)
         errors = self._pipeline.take_errors()
         self._save_lifetime()

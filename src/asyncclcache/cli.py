@@ -123,9 +123,9 @@ def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any
     for s in stores:
         for e in s.entries():
             meta = s.read_meta(e.path) or EntryMeta()
-            devices = [d.get("device_name", "?") for d in meta.devices]
-            if device and not any(device.lower() in d.lower() for d in devices):
+            if device and not meta.for_device(device):
                 continue
+            devices = [d.get("device_name", "?") for d in meta.devices]
             rows.append({
                 "key": e.key,
                 "kind": meta.kind,

@@ -160,6 +160,10 @@ class EntryMeta(Mapping[str, Any]):
                 known[name] = value
         return cls(**known, extra=extra)
 
+    def for_device(self, text: str) -> bool:
+        """True when a device's name contains ``text``, ignoring case (``--device``)."""
+        return any(text.lower() in d.get("device_name", "").lower() for d in self.devices)
+
     def to_json(self) -> dict[str, Any]:
         """The JSON object stored (``files`` only where there are files)."""
         out = dict(self.extra)

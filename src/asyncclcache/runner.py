@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["USAGE", "RunArgs", "main", "parse"]
@@ -140,9 +140,10 @@ def main(argv: Sequence[str]) -> int:
     from . import _startup
 
     _startup.activate()
-    if r.module is not None:
-        return _run(lambda: runpy.run_module(r.module, run_name="__main__", alter_sys=True),
-                    [r.module, *r.args], os.getcwd(), None)
+    module = r.module
+    if module is not None:
+        return _run(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True),
+                    [module, *r.args], os.getcwd(), None)
     assert r.script is not None
     if not os.path.exists(r.script):
         sys.stderr.write(f"asyncclcache: run: can't open file {r.script!r}: no such file\n")
@@ -152,18 +153,14 @@ def main(argv: Sequence[str]) -> int:
                 [script, *r.args], os.path.dirname(os.path.abspath(script)), os.path.abspath(script))
 
 
-def _run(call: object, argv: list[str], path0: str, filename: str | None) -> int:
+def _run(call: Callable[[], object], argv: list[str], path0: str, filename: str | None) -> int:
     # As the interpreter sets them for `python script.py` / `python -m module`.
     sys.argv[:] = argv
     if sys.path and sys.path[0] != path0:
         sys.path[0] = path0
     try:
-        call()  # type: ignore[operator]
-    except SystemExit:
-        raise
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
+        call()
+    except Exception as e:  # noqa: BLE001 - the program's; SystemExit and KeyboardInterrupt pass
         # What the interpreter prints, without runpy's and our frames above the program's.
         tb = e.__traceback__
         while tb is not None and not _is_program_frame(tb.tb_frame.f_code.co_filename, filename):

@@ -36,8 +36,9 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from . import maintenance
 from .entry import Entry, EntryFormatError, EntryMeta, decode, encode, layout_problem, read_meta
 from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
 from .fileio import (
@@ -56,9 +57,6 @@ from .fileio import (
 from .keys import FORMAT_VERSION
 from .locks import LOCK_SUFFIX, Claim, take
 from .ranks import detect_rank
-
-if TYPE_CHECKING:
-    from .maintenance import PruneResult
 
 __all__ = [
     "ENTRY_SUFFIX", "LOCK_SUFFIX", "TEMP_PREFIX", "TEMP_SUFFIX", "Claim", "PublishResult", "ReadResult",
@@ -379,7 +377,7 @@ class Store:
 
     # }}}
 
-    # {{{ maintenance
+    # {{{ listing and upkeep
 
     def fanout_dirs(self) -> Iterator[Path]:
         """The ``XX/`` directories (not links) of the entries."""
@@ -420,33 +418,23 @@ class Store:
 
     def orphans(self) -> tuple[list[Path], list[Path]]:
         """Temp files whose writer is gone (or too old) and lock files nobody holds."""
-        from . import maintenance
-
         return maintenance.orphans(self)
 
     def sweep(self) -> int:
         """Remove orphaned temp and lock files; returns how many."""
-        from . import maintenance
-
         return maintenance.sweep(self)
 
     def verify(self, *, fix: bool = False) -> list[tuple[StoredEntry, str]]:
         """Fully check every entry; ``(entry, problem)`` for the bad ones, removed with ``fix``."""
-        from . import maintenance
-
         return maintenance.verify(self, fix=fix)
 
-    def prune(self, *, max_size: int | None = None, older_than: float | None = None) -> PruneResult:
+    def prune(self, *, max_size: int | None = None, older_than: float | None = None) -> maintenance.PruneResult:
         """Evict least recently used entries down to ``max_size`` bytes, and those unused
         for ``older_than`` seconds."""
-        from . import maintenance
-
         return maintenance.prune(self, max_size=max_size, older_than=older_than)
 
     def clear(self) -> int:
         """Remove every entry (and orphaned files); returns the entry count."""
-        from . import maintenance
-
         return maintenance.clear(self)
 
     def touch(self, key: str) -> None:

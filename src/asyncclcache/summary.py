@@ -35,8 +35,8 @@ _registered = False
 def register() -> None:
     """Print the summary at interpreter exit (once per process, however often called).
 
-    Registered after the cache module's own exit hook, so it runs first and closes
-    the caches itself (bounded by their exit timeout) before counting.
+    Whether it runs before or after the cache module's own exit hook, it closes the
+    caches itself first (idempotent, bounded by their exit timeout), then counts.
     """
     global _registered
     with _lock:
@@ -63,10 +63,13 @@ def _local() -> tuple[Any, list[str]]:
     return (total if closed else None), dirs
 
 
-def summary_line(stats: Any, dirs: list[str], label: str = "asyncclcache") -> str:
-    """The summary line for ``stats`` (a :class:`~asyncclcache.Stats`) of ``dirs``."""
+def summary_line(stats: Any, dirs: list[str], label: str = "asyncclcache", whose: str = "") -> str:
+    """The summary line for ``stats`` (a :class:`~asyncclcache.Stats`) of ``dirs``
+    (``whose``, e.g. ``"rank 0: "``, says whose directories they are)."""
+    if not dirs:
+        return stats.line(label)
     where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} directories"
-    return f"{stats.line(label)}  [{where}]"
+    return f"{stats.line(label)}  [{whose}{where}]"
 
 
 def _at_exit() -> None:
@@ -101,13 +104,11 @@ def _mpi() -> Any:
 
 
 def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
-    from dataclasses import fields
-
     import numpy as np
 
     from .stats import Stats
 
-    names = [f.name for f in fields(Stats)]
+    names = list(Stats().as_dict())
     comm = mpi.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     # [had a cache, counters...]: a rank that built nothing still reports, so rank 0
@@ -115,7 +116,7 @@ def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
     mine = np.zeros(len(names) + 1, dtype=np.float64)
     if stats is not None:
         mine[0] = 1
-        mine[1:] = [getattr(stats, n) for n in names]
+        mine[1:] = list(stats.as_dict().values())
     deadline = time.monotonic() + GATHER_TIMEOUT
     if rank != 0:
         req = comm.Isend(mine, dest=0, tag=_TAG)
@@ -146,8 +147,7 @@ def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
     label = f"asyncclcache ({size} ranks)" if reported == size else (
         f"asyncclcache ({reported} of {size} ranks reported)"
     )
-    where = "" if not dirs else f"  [rank 0: {dirs[0] if len(dirs) == 1 else f'{len(dirs)} directories'}]"
-    _print(job.line(label) + where)
+    _print(summary_line(job, dirs, label, whose="rank 0: "))
 
 
 def _print(line: str) -> None:
