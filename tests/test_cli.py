@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ from asyncclcache.store import PublishResult, Store
 from conftest import run_child
 
 
-def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None
+def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None,
+        preexec_fn: Callable[[], None] | None = None, cwd: Path | None = None
         ) -> subprocess.CompletedProcess[str]:
     e = {k: v for k, v in os.environ.items() if k not in RANK_ENV_VARS}
     if env:
@@ -29,6 +31,7 @@ def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None
     return subprocess.run(
         [sys.executable, "-m", "asyncclcache", *args],
         capture_output=True, text=True, env=e, timeout=120, check=False, input=stdin,
+        preexec_fn=preexec_fn, cwd=cwd,
     )
 
 
@@ -135,7 +138,9 @@ def test_list_filters_and_json(cache_dir: Path) -> None:
     _publish(store, 2, 100, device="NVIDIA H200")
     rows = _json(cli("list", "--dir", str(cache_dir), "--json"))["entries"]
     assert sorted(r["devices"][0] for r in rows) == ["NVIDIA H200", "pthread-cpu"]
-    assert set(rows[0]) == {"key", "kind", "kernels", "devices", "size", "created", "last_used", "rank", "path"}
+    assert set(rows[0]) == {"key", "kind", "kernels", "devices", "size", "created", "last_used", "rank", "path",
+                            "damaged"}
+    assert not any(r["damaged"] for r in rows)
     assert {r["kind"] for r in rows} == {"binary"}
     only = _json(cli("list", "--dir", str(cache_dir), "--json", "--device", "pthread"))["entries"]
     assert [r["key"] for r in only] == [a.key] and only[0]["kernels"] == ["k1"]
@@ -281,22 +286,26 @@ def test_prune_max_size_zero_means_no_bound_as_in_the_environment(populated: tup
     assert len(list(Store(cache_dir).entries())) == 3  # nothing evicted
 
 
-def test_entry_with_wrong_metadata_types_is_reported_not_a_traceback(cache_dir: Path) -> None:
+def _plant(store: Store, name: str, **meta: object) -> str:
+    """Write an entry with a valid checksum around ``meta`` as given (no checks); its key."""
     import struct
 
     from asyncclcache.entry import MAGIC
-    from asyncclcache.keys import FORMAT_VERSION
 
-    store = Store(cache_dir)
-    good = _publish(store, 1, 10)
-    key = hashlib.sha256(b"bad types").hexdigest()
-    meta = json.dumps({"key": key, "binary_sizes": [3], "devices": 5, "kernels": [1, 2],
-                       "created": "yesterday"}).encode()
-    body = struct.pack("<8sHHI", MAGIC, FORMAT_VERSION, 0, len(meta)) + meta + b"bin"
+    key = hashlib.sha256(name.encode()).hexdigest()
+    raw = json.dumps({"key": key, "binary_sizes": [3], **meta}).encode()
+    body = struct.pack("<8sHHI", MAGIC, FORMAT_VERSION, 0, len(raw)) + raw + b"bin"
     path = store.path_for(key)
     path.parent.mkdir(mode=0o700, exist_ok=True)
     path.write_bytes(body + hashlib.blake2b(body, digest_size=32).digest())
     path.chmod(0o600)
+    return key
+
+
+def test_entry_with_wrong_metadata_types_is_reported_not_a_traceback(cache_dir: Path) -> None:
+    store = Store(cache_dir)
+    good = _publish(store, 1, 10)
+    key = _plant(store, "bad types", devices=5, kernels=[1, 2], created="yesterday")
     for command in ("list", "info"):
         r = cli(command, "--dir", str(cache_dir))
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
@@ -309,3 +318,144 @@ def test_entry_with_wrong_metadata_types_is_reported_not_a_traceback(cache_dir: 
     with pytest.warns(CorruptEntryWarning, match="bad metadata"):
         assert store.load(key) is None
     assert store.load(good.key) is not None
+
+
+# {{{ issue 18: implausible numbers, terminal escapes, read-only directories
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"created": float("nan")},
+        {"created": 1e300},
+        {"created": float("-inf")},
+        {"created": -5.0},
+        {"created": 10**30},
+        {"created": True},
+        {"compile_seconds": float("inf")},
+        {"compile_seconds": -1},
+    ],
+    ids=lambda m: f"{next(iter(m))}={next(iter(m.values()))!r}",
+)
+def test_implausible_numbers_are_damage_to_verify_import_and_list(cache_dir: Path, tmp_path: Path,
+                                                                   meta: dict) -> None:
+    import tarfile
+
+    store = Store(cache_dir)
+    good = _publish(store, 1, 10)
+    key = _plant(store, "implausible", devices=[{"device_name": "d"}], kernels=["k"], **meta)
+    field = next(iter(meta))
+    v = cli("verify", "--dir", str(cache_dir), "--json")
+    assert v.returncode == 1 and "Traceback" not in v.stderr, v.stderr
+    bad = json.loads(v.stdout)["bad"]
+    assert [b["key"] for b in bad] == [key] and f"bad metadata: {field!r}" in bad[0]["problem"]
+    # list, human and JSON: no traceback, the entry shown as damaged (the good one as usual).
+    human = cli("list", "--dir", str(cache_dir))
+    assert human.returncode == 0 and "Traceback" not in human.stderr, human.stderr
+    line = next(ln for ln in human.stdout.splitlines() if ln.startswith(key[:12]))
+    assert " bad " in line and "damaged" in line
+    assert "1 damaged" in human.stdout
+    rows = {r["key"]: r for r in _json(cli("list", "--dir", str(cache_dir), "--json"))["entries"]}
+    assert rows[key]["damaged"] and rows[key]["kind"] is None and rows[key]["created"] is None
+    assert not rows[good.key]["damaged"] and rows[good.key]["kind"] == "binary"
+    assert cli("info", "--dir", str(cache_dir)).returncode == 0
+    # import refuses an archive holding it, and writes nothing.
+    archive = tmp_path / "bad.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(store.path_for(key), arcname=f"v{FORMAT_VERSION}/{key[:2]}/{key}.acl")
+    target = tmp_path / "target"
+    r = cli("import", "--dir", str(target), str(archive))
+    assert r.returncode == 1 and "damaged entry" in r.stderr and field in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not target.exists()
+
+
+def test_control_characters_in_names_are_escaped_in_human_output(cache_dir: Path) -> None:
+    store = Store(cache_dir)
+    evil = "pthread\x1b]0;owned\x07\x1b[31m-cpu"
+    key = hashlib.sha256(b"escapes").hexdigest()
+    store.publish(Entry(key, (b"x",), {"devices": [{"device_name": evil}], "kernels": ["k\x1b[2J"],
+                                        "created": time.time()}))
+    for command in ("list", "info"):
+        r = cli(command, "--dir", str(cache_dir))
+        assert r.returncode == 0, r.stderr
+        assert "\x1b" not in r.stdout and "\x07" not in r.stdout, repr(r.stdout)
+    listed = cli("list", "--dir", str(cache_dir)).stdout
+    assert "k\\x1b[2J @ pthread" in listed, listed  # the rest is past column 80
+    info = cli("info", "--dir", str(cache_dir)).stdout
+    assert "device seen    pthread\\x1b]0;owned\\x07\\x1b[31m-cpu (1 entries)" in info, info
+    # JSON stays JSON: escaped by the encoder, the names intact once parsed.
+    rows = _json(cli("list", "--dir", str(cache_dir), "--json"))["entries"]
+    assert rows[0]["devices"] == [evil] and rows[0]["kernels"] == ["k\x1b[2J"]
+    # Names of files on disk: a stray "entry" and a writer's temp file (verify lists the
+    # orphans), one of them not even UTF-8.
+    fanout = store.path_for(key).parent
+    (fanout / "\x1b[2J.acl").write_bytes(b"")
+    os.close(os.open(os.path.join(os.fsencode(fanout), b"\xff\xfe.acl"), os.O_CREAT | os.O_WRONLY, 0o600))
+    temp = fanout / ".tmp-\x1b[31m.partial"
+    temp.write_bytes(b"half")
+    os.utime(temp, (time.time() - 7200, time.time() - 7200))  # its writer is long gone
+    listed = cli("list", "--dir", str(cache_dir))
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+    assert "\x1b" not in listed.stdout and "\\x1b[2J" in listed.stdout and "\\udcff" in listed.stdout
+    v = cli("verify", "--dir", cache_dir.name, cwd=cache_dir.parent)  # short paths: all of them shown
+    assert "Traceback" not in v.stderr, v.stderr
+    assert "\x1b" not in v.stdout and ".tmp-\\x1b[31m.partial" in v.stdout, v.stdout
+
+
+_PR_CAPBSET_DROP = 24
+_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
+
+
+def _without_root_powers() -> None:
+    """preexec_fn: root without the capabilities that override file modes (dropped from the
+    bounding set, so the exec'd CLI lacks them): mode 0500 binds it as it binds any user."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _unprivileged() -> Callable[[], None] | None:
+    """How to run the CLI so that file modes bind it. Not as uid 65534: the interpreter
+    may live where that uid cannot read it (a pyenv under /root), and the store refuses
+    a directory not owned by the user; so root, stripped of its file-mode override."""
+    if os.geteuid() != 0:
+        return None
+    status = Path("/proc/self/status").read_text()
+    inheritable = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("CapInh:")), 16)
+    if inheritable & ((1 << _CAP_DAC_OVERRIDE) | (1 << _CAP_DAC_READ_SEARCH)):
+        pytest.skip("root with inheritable CAP_DAC_OVERRIDE: it would survive the exec")
+    try:
+        probe = subprocess.run([sys.executable, "-c", "pass"], preexec_fn=_without_root_powers, check=False)
+    except subprocess.SubprocessError as e:
+        pytest.skip(f"cannot drop root's file-mode override here (needs CAP_SETPCAP): {e}")
+    assert probe.returncode == 0
+    return _without_root_powers
+
+
+@pytest.mark.parametrize("command", [["prune", "--max-size", "1"], ["clear", "--yes"], ["verify", "--fix"]])
+def test_a_read_only_directory_is_an_error_not_a_no_op(populated: tuple[Path, int], command: list[str]) -> None:
+    cache_dir = populated[0]
+    store = Store(cache_dir)
+    if command[0] == "verify":
+        victim = next(iter(store.entries())).path
+        victim.write_bytes(b"damaged")
+    run_as = _unprivileged()
+    dirs = [store.root, *store.fanout_dirs()]
+    for d in dirs:
+        d.chmod(0o500)
+    try:
+        r = cli(*command, "--dir", str(cache_dir), preexec_fn=run_as)
+        also_json = cli(*command, "--json", "--dir", str(cache_dir), preexec_fn=run_as)
+    finally:
+        for d in dirs:
+            d.chmod(0o700)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert f"cannot {command[0] if command[0] != 'verify' else 'fix'} {store.root}" in r.stderr
+    assert "not writable (permission denied)" in r.stderr, r.stderr
+    assert "another process" not in r.stdout and "removed" not in r.stdout and "Traceback" not in r.stderr
+    assert also_json.returncode == 2 and also_json.stdout == ""
+    assert len(list(store.entries())) == 3  # nothing changed
+
+# }}}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import struct
 
 import pytest
 
-from asyncclcache.entry import MAGIC, Entry, EntryFormatError, decode, encode
+from asyncclcache.entry import MAGIC, Entry, EntryFormatError, EntryMeta, decode, encode, read_meta
 from asyncclcache.keys import FORMAT_VERSION
 
 HEADER = struct.Struct("<8sHHI")
@@ -199,3 +200,54 @@ def test_metadata_is_typed_and_keeps_unknown_fields() -> None:
     assert encode(back) == encode(entry)
     with pytest.raises(EntryFormatError, match="'created' is str"):
         Entry(KEY, (b"x",), {"devices": [], "created": "yesterday"})
+
+
+# Issue 18: one rule for every reader (load, verify, import, list) and every writer.
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("created", float("nan")),
+        ("created", float("inf")),
+        ("created", float("-inf")),
+        ("created", 1e300),
+        ("created", -1.0),
+        ("created", 253402300800.0),  # a second after 9999-12-31 23:59:59 UTC
+        ("created", 10**400),  # a JSON integer: no float holds it
+        ("created", True),
+        ("compile_seconds", float("nan")),
+        ("compile_seconds", -0.5),
+        ("compile_seconds", 1e12),
+        ("compile_seconds", False),
+    ],
+)
+def test_implausible_numbers_are_format_errors(name: str, value: object) -> None:
+    data = _sealed_with_meta({"key": KEY, "binary_sizes": [3], name: value})
+    with pytest.raises(EntryFormatError, match=f"bad metadata: '{name}'"):
+        decode(data)
+    with pytest.raises(EntryFormatError, match=f"bad metadata: '{name}'"):
+        read_meta(io.BytesIO(data))
+    with pytest.raises(EntryFormatError, match=f"bad metadata: '{name}'"):  # nor can a writer make one
+        EntryMeta(**{name: value})  # type: ignore[arg-type]
+
+
+def test_plausible_numbers_at_the_edges_decode() -> None:
+    for created, seconds in ((0, 0), (253402300799.0, 365 * 86400.0), (1_700_000_000, 12)):
+        entry = decode(_sealed_with_meta({"key": KEY, "binary_sizes": [3], "created": created,
+                                          "compile_seconds": seconds}))
+        assert (entry.meta.created, entry.meta.compile_seconds) == (created, seconds)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"key": "k", "binary_sizes": [3], "created": ' + b"1" * 5000 + b"}",  # int digit limit
+        b"[" * 100_000 + b"]" * 100_000,  # nesting deeper than the recursion limit
+    ],
+    ids=["huge-integer", "deep-nesting"],
+)
+def test_json_that_python_will_not_parse_is_a_format_error(raw: bytes) -> None:
+    data = _sealed_with_meta(None, raw=raw)
+    with pytest.raises(EntryFormatError, match="bad metadata"):
+        decode(data)
+    with pytest.raises(EntryFormatError, match="bad metadata"):
+        read_meta(io.BytesIO(data))

@@ -111,7 +111,7 @@ def test_entry_with_a_folder_pocl_does_not_compute_is_rejected_and_replaced(cach
     code = RUN.replace("flushed = cache.flush(120)", "import warnings\nflushed = cache.flush(120)")
     proc = run_child(code, str(cache_dir), "foreign", env={"PYTHONWARNINGS": "always"})
     out = child_json(proc)
-    assert "rejected the stored kernel-cache files" in proc.stderr
+    assert "pocl did not use the stored kernel-cache files" in proc.stderr
     assert out["ok"] and out["flushed"]
     s = out["stats"]
     assert (s["hits"], s["misses"], s["rejected"], s["writes"]) == (0, 1, 1, 1)
@@ -153,8 +153,8 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
     (root / folder).unlink()
     (root / folder / "k" / "v").mkdir(parents=True)
     (root / folder / "program.bc").write_bytes(b"pocl's own")
-    n = kcache.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"])
-    assert n == 1
+    placed = kcache.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"])
+    assert placed.count == 1
     assert (root / folder / "program.bc").read_bytes() == b"pocl's own"
     assert (root / folder / "k/v/k.so").read_bytes() == b"so"
     assert not [p for p in (root / folder).rglob(".acc-tmp-*")]
@@ -190,8 +190,10 @@ def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache
         assert run_twice(cl_ctx, prg)
         # Find pocl's folder for this build the way the driver does, then remove it.
         job = cache.job(prg.cache_key)
-        (found,) = kcache.candidates(root, [(job.built_from, job.built_to)])
-        (folder,) = kcache.choose(root, found, job.built_to, job.kernels)
+        clock = kcache.FsClock(root)
+        assert clock.measure()
+        (found,) = kcache.candidates(root, [(clock.since(job.built_from), clock.until(job.built_to))])
+        (folder,) = kcache.choose(root, found, job.kernels, clock.until(job.built_to), clock.tick)
         shutil.rmtree(root / folder)
     assert cache.flush(60)
     s = cache.stats()
@@ -277,7 +279,13 @@ def test_valid_file_names(rel, ok):
         ({}, "xdg"),
         ({"POCL_KERNEL_CACHE": "1"}, "xdg"),
         ({"POCL_KERNEL_CACHE": "0"}, None),
-        ({"POCL_KERNEL_CACHE": "maybe"}, None),  # pocl reads anything but 1/yes/true/on as off
+        ({"POCL_KERNEL_CACHE": "10"}, "xdg"),  # pocl: strncmp(value, "1", 1)
+        ({"POCL_KERNEL_CACHE": "maybe"}, None),
+        ({"POCL_KERNEL_CACHE": "true"}, None),  # issue 18 case 6: pocl reads these as off
+        ({"POCL_KERNEL_CACHE": "yes"}, None),
+        ({"POCL_KERNEL_CACHE": "on"}, None),
+        ({"POCL_KERNEL_CACHE": " 1"}, None),
+        ({"POCL_KERNEL_CACHE": ""}, None),
         ({"POCL_CACHE_DIR": "/x/kc"}, "/x/kc"),
         ({"POCL_CACHE_DIR": ""}, None),
     ],

@@ -33,6 +33,27 @@ import pyopencl as cl, asyncclcache as acc
 from kernels import small_source, run_twice
 from _pocl import pocl_context
 comm = MPI.COMM_WORLD
+if os.environ.get("ACC_TEST_CLAIM_LOG"):
+    # Each claim's start and end, and each write under it, in one O_APPEND file (one
+    # write() a line): the file's order is the order of events across ranks.
+    from asyncclcache import store as st
+    log_fd = os.open(os.environ["ACC_TEST_CLAIM_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    note = lambda *words: os.write(log_fd, (" ".join(map(str, words)) + "\n").encode())
+    claim, release, publish = st.Store.claim, st.Claim.release, st.Store.publish
+    def logged_claim(self, key):
+        c = claim(self, key)
+        if c is not None:
+            note("+", key, rank)
+        return c
+    def logged_release(self):
+        note("-", self.key, rank)  # before the unlock: the next holder's "+" comes after
+        release(self)
+    def logged_publish(self, entry, **kw):
+        result = publish(self, entry, **kw)
+        if result is st.PublishResult.WRITTEN:
+            note("w", entry.key, rank, entry.meta.snapshot)  # "snapshot", or "refresh"
+        return result
+    st.Store.claim, st.Claim.release, st.Store.publish = logged_claim, logged_release, logged_publish
 cache = acc.Cache(sys.argv[1], rank_local=(sys.argv[3] == "local"))
 ctx = pocl_context()
 ok = True
@@ -66,13 +87,15 @@ def _mpiexec() -> str | None:
     return exe if probe.returncode == 0 and probe.stdout.split() == ["2"] else None
 
 
-def _mpirun(n: int, *args: str, tmp: Path, strategy: str = "auto") -> dict:
+def _mpirun(n: int, *args: str, tmp: Path, strategy: str = "auto", claim_log: Path | None = None) -> dict:
     exe = _mpiexec()
     if exe is None:
         pytest.skip("MPI cannot start here (no mpiexec, or mpi4py missing: pip install '.[mpi]')")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                ASYNCCLCACHE_STRATEGY=strategy)
     env.pop("POCL_CACHE_DIR", None)
+    if claim_log is not None:
+        env["ACC_TEST_CLAIM_LOG"] = str(claim_log)
     proc = subprocess.run([exe, "-n", str(n), sys.executable, "-c", RANK_RUN, *args],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -112,20 +135,56 @@ def test_shared_mode_one_warmup_per_key_then_all_hits(cache_dir, tmp_path):
     assert all(r["ok"] for r in warm["rows"])
 
 
+def _claims_and_writes(log: str) -> tuple[list[str], dict[str, list[str]], int]:
+    """From RANK_RUN's claim log: the claims taken while another rank held the key, each
+    key's first writes (the ranks that wrote a snapshot) and the number of refresh rewrites."""
+    holders: dict[str, set[str]] = {}
+    overlaps: list[str] = []
+    first: dict[str, list[str]] = {}
+    refreshes = 0
+    for i, line in enumerate(log.splitlines()):
+        op, key, rank, *purpose = line.split()
+        held = holders.setdefault(key, set())
+        if op == "+":
+            if held:
+                overlaps.append(f"line {i}: rank {rank} claimed {key[:12]} held by rank(s) {sorted(held)}")
+            held.add(rank)
+        elif op == "-":
+            held.discard(rank)
+        elif purpose == ["refresh"]:
+            refreshes += 1
+        else:
+            first.setdefault(key, []).append(rank)
+    return overlaps, first, refreshes
+
+
 def test_kcache_shared_directory_one_entry_per_key_then_all_hits(cache_dir, tmp_path):
     # kcache writes within moments of the first launch, so a slower rank may already hit.
+    # A "write" counts refresh rewrites too (the program gained variants: legitimate, and
+    # counted in "refreshes"); the claim log tells those from a key claimed twice at once.
     programs = 3
-    cold = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-cold"), "shared", str(programs), tmp=tmp_path)
+    log = tmp_path / "claims.log"
+    cold = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-cold"), "shared", str(programs), tmp=tmp_path,
+                   claim_log=log)
     assert all(r["ok"] and r["flushed"] for r in cold["rows"])
     t = cold["total"]
-    assert t["writes"] == programs and t["warmups"] == 0 and t["unidentified"] == 0, cold["rows"]
+    overlaps, first, refreshes = _claims_and_writes(log.read_text())
+    assert not overlaps, f"a key's claim was held by two ranks at once: {overlaps}"
+    assert t["warmups"] == 0 and t["unidentified"] == 0, cold["rows"]
+    assert (sum(map(len, first.values())), refreshes) == (t["writes"] - t["refreshes"], t["refreshes"]), (
+        "the claim log and the counters disagree", log.read_text(), cold["rows"])
+    assert len(first) == programs, first
     assert t["hits"] + t["misses"] == 3 * programs
-    assert t["misses"] == t["writes"] + t["skipped"]  # every miss wrote, or left the key to another rank
+    assert t["misses"] == t["writes"] - t["refreshes"] + t["skipped"]  # every miss wrote, or left the key
     assert len(list(Store(cache_dir, rank_local=False).entries())) == programs
     warm = _mpirun(3, str(cache_dir), str(tmp_path / "pocl-warm"), "shared", str(programs), tmp=tmp_path)
     w = warm["total"]
     assert (w["hits"], w["misses"], w["writes"], w["rejected"]) == (3 * programs, 0, 0, 0)
     assert all(r["ok"] for r in warm["rows"])
+    rewritten = {k[:12]: ranks for k, ranks in first.items() if len(ranks) > 1}
+    # One claim after another, not at once: a rank that missed the key while another was
+    # publishing it must see, at its claim, that the file is not the one its lookup saw.
+    assert not rewritten, f"keys written again by a later claim after a miss: {rewritten}"
 
 
 @pytest.mark.parametrize("mode", ["local", "shared"])

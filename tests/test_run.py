@@ -165,6 +165,56 @@ def test_run_usage_errors_exit_2(tmp_path, argv, message):
     assert "Traceback" not in proc.stderr
 
 
+def _run_input(argv: list[str], cwd: Path, stdin: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=_env(), timeout=300,
+                          check=False, input=stdin)
+
+
+def test_run_dash_reads_the_script_from_stdin_as_python_does(cache_dir, tmp_path):
+    # Issue 18, case 14: `python - ARGS` runs stdin with argv[0] '-' and sys.path[0] ''.
+    acc_run = [sys.executable, "-m", "asyncclcache", "run", "--dir", str(cache_dir), "--stats", "-"]
+    proc = _run_input([*acc_run, "4"], tmp_path, DRIVER)
+    assert proc.returncode == 4, proc.stderr
+    assert "name __main__ argv ['4'] path0 \n" in proc.stdout and "installed True" in proc.stdout
+    assert _summary(proc.stderr)[:3] == (0, 3, 3)
+    probe = "import sys\nprint(sys.argv, repr(sys.path[0]), __name__, __file__, __spec__)\n"
+    ours = _run_input([*acc_run, "a", "b"], tmp_path, probe)
+    python = _run_input([sys.executable, "-", "a", "b"], tmp_path, probe)
+    assert ours.stdout == python.stdout == "['-', 'a', 'b'] '' __main__ <stdin> None\n", ours.stderr
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["x = 1\n1 / 0\n", "def f(:\n", "import no_such_module_acc\n", "raise SystemExit('bye')\n"],
+    ids=["exception", "syntax-error", "import-error", "system-exit"],
+)
+def test_run_dash_errors_are_what_python_dash_prints(tmp_path, script):
+    ours = _run_input([sys.executable, "-m", "asyncclcache", "run", "-"], tmp_path, script)
+    python = _run_input([sys.executable, "-"], tmp_path, script)
+    assert (ours.returncode, ours.stderr) == (python.returncode, python.stderr)
+
+
+@pytest.mark.parametrize("module", ["no_such_module_acc", "no_such_pkg_acc.sub", "asyncclcache.no_such"])
+def test_run_missing_module_is_one_line_as_python_dash_m(tmp_path, module):
+    ours = _run([sys.executable, "-m", "asyncclcache", "run", "-m", module], cwd=tmp_path)
+    python = _run([sys.executable, "-m", module], cwd=tmp_path)
+    assert ours.returncode == python.returncode == 1
+    assert ours.stderr == python.stderr, ours.stderr
+    assert ours.stderr.count("\n") == 1 and "Traceback" not in ours.stderr
+    assert ours.stderr.startswith(f"{sys.executable}: ")
+
+
+def test_run_module_import_error_inside_the_module_keeps_its_traceback(tmp_path):
+    # Only runpy's own "cannot find it" is one line: the module's own ImportError is its.
+    (tmp_path / "brokenmod_acc.py").write_text("import no_such_module_acc\n")
+    ours = _run([sys.executable, "-m", "asyncclcache", "run", "-m", "brokenmod_acc"], cwd=tmp_path)
+    python = _run([sys.executable, "-m", "brokenmod_acc"], cwd=tmp_path)
+    assert ours.returncode == python.returncode == 1
+    assert "Traceback" in ours.stderr and f'File "{tmp_path / "brokenmod_acc.py"}", line 1' in ours.stderr
+    assert ours.stderr.splitlines()[-1] == python.stderr.splitlines()[-1]
+    assert "runpy" not in ours.stderr and "runner.py" not in ours.stderr
+
+
 def test_run_missing_command_exits_127(tmp_path):
     proc = _run([sys.executable, "-m", "asyncclcache", "run", "--", "no-such-command-acc"], cwd=tmp_path)
     assert proc.returncode == 127 and "command not found" in proc.stderr

@@ -18,16 +18,16 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .config import STRATEGIES, get_config, parse_size
 from .drivers import Driver, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
 from .errors import BackgroundError
-from .pipeline import Pipeline
+from .pipeline import MAX_JOBS, Pipeline
 from .stats import Counters, Stats
-from .store import Store
+from .store import Stamp, Store
 from .workers import Workers
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from .keys import KeyInfo
 
-__all__ = ["Cache", "Stats", "Step", "close_all", "default_cache", "step"]
+__all__ = ["Cache", "Stats", "Step", "close_all", "default_cache", "exit_interrupted", "step"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,8 @@ class Cache:
         self._counters = Counters()
         self._memory: OrderedDict[str, Entry] = OrderedDict()
         self._memory_bytes = 0
+        #: key -> which entry file its last disk lookup (or our write) saw: see Job.seen.
+        self._seen: dict[str, Stamp | None] = {}
         self._steps: list[Step] = []
         self._drivers: dict[str, Driver] = {}
         self._driver_by_devices: dict[tuple[int, ...], Driver] = {}
@@ -145,7 +147,7 @@ class Cache:
             lambda s: self._counters.add("background_cpu_seconds", s),
         )
         self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
-                                  on_written=self._remember)
+                                  on_written=self._remember_written)
 
     def __repr__(self) -> str:
         return f"Cache({str(self.store.root)!r}, strategy={self.strategy!r})"
@@ -205,28 +207,41 @@ class Cache:
         """Flush for up to ``timeout`` seconds (default: the exit timeout), then stop.
 
         Work still pending is dropped, never half-written; the helper process is
-        reaped. Idempotent. Builds after close are plain, uncached builds.
-        Returns what :meth:`flush` returned.
+        reaped. Idempotent: only the first call flushes, even if it was interrupted.
+        Ctrl-C during the flush stops the wait at once, drops what is pending and
+        re-raises the ``KeyboardInterrupt``. Builds after close are plain, uncached
+        builds. Returns what :meth:`flush` returned.
         """
-        if self._closed:
-            return True
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True  # first: a second close (or close_all) never waits again
         timeout = self.exit_timeout if timeout is None else timeout
         try:
             done = self.flush(timeout)
         except BackgroundError:
             done = False
+        except BaseException:
+            # Ctrl-C (or a failure) in the wait: stop at once; no later close retries.
+            self._stop(grace=0.0)
+            raise
+        self._stop(grace=1.0)
+        return done
+
+    def _stop(self, grace: float) -> None:
+        # Drop what is pending (jobs end as no-ops; entries are written atomically, so
+        # none is half-written), stop the threads and the helper, record the counters.
         with self._lock:
-            self._closed = True
             drivers = list(self._drivers.values())
         self._pipeline.close()
         for d in drivers:
-            d.close(1.0)
-        self._workers.stop(1.0)
-        self._save_lifetime()
-        if not done:
-            logger.info("asyncclcache: exit with %d jobs pending: dropped", self._pipeline.pending)
+            d.close(grace)
+        self._workers.stop(grace)
+        pending = self._pipeline.pending
+        if pending:
+            logger.info("asyncclcache: exit with %d jobs pending: dropped", pending)
         _CLOSED.append((self.directory, self.stats()))
-        return done
+        self._save_lifetime()
 
     @contextmanager
     def step(self, *, wait: bool = False) -> Iterator[Step]:
@@ -293,7 +308,11 @@ class Cache:
             if entry is not None:
                 self._memory.move_to_end(info.key)
                 return entry
-        entry = self.store.load(info.key, info.devices)
+        entry, stamp = self.store.lookup(info.key, info.devices)
+        with self._lock:
+            self._seen[info.key] = stamp
+            while len(self._seen) > 2 * MAX_JOBS:
+                del self._seen[next(iter(self._seen))]
         if entry is not None:
             self._remember(entry)
         return entry
@@ -327,19 +346,23 @@ class Cache:
     ) -> None:
         """``program`` was built from source: its entry is written later, in the background.
 
-        ``looked_up_at`` (``time.time()`` before the lookup) lets a process skip a key
-        that another process wrote after this one missed it; ``built_from``/``built_to``
-        (``time.time()``) bracket the source build.
+        ``looked_up_at`` is ``time.time()`` before the lookup; ``built_from``/``built_to``
+        (``time.time()``) bracket the source build. A key that another process writes
+        after this one's lookup is skipped: the lookup saw another file, or none.
         """
         self._counters.add("misses")
         self._count_in_step(hit=False)
+        with self._lock:
+            seen = self._seen.pop(info.key, None)
         if not (self.active and self.store.writable):
             return
         driver = self.driver_for(devices)
         job = Job(
-            info, source, info.options, devices, logs, driver,
+            info, source, info.options, devices, logs, driver, seen=seen,
             kernels=tuple(kernels), created=looked_up_at, built_from=built_from,
             built_to=built_to, build_seconds=build_seconds,
+            # What the key saw: another process rebuilding it (the helper) needs the same.
+            cwd=Job.caller_cwd(), environ=Job.caller_environ(),
         )
         if driver.needs_program:
             job.program = program  # kept alive until its binaries are taken
@@ -366,6 +389,16 @@ class Cache:
                 self._memory_bytes -= old.nbytes
         self.store.remove(info.key)
 
+    def record_unused(self, info: KeyInfo) -> None:
+        """The driver built from source because it did not use the stored entry for
+        ``info``, for a cause that may lie in the environment: counted as rejected, and
+        forgotten in memory, but kept on disk (a miss's own entry replaces it)."""
+        self._counters.add("rejected")
+        with self._lock:
+            old = self._memory.pop(info.key, None)
+            if old is not None:
+                self._memory_bytes -= old.nbytes
+
     def record_uncacheable(self) -> None:
         """A program built plainly because its key could not be known for certain."""
         self._counters.add("uncacheable")
@@ -382,6 +415,13 @@ class Cache:
         with self._lock:
             if self._steps:
                 self._steps[-1]._count(hit)
+
+    def _remember_written(self, entry: Entry) -> None:
+        # Writer thread: the file this process wrote is the one a later miss saw.
+        self._remember(entry)
+        stamp = self.store.stamp(entry.key)
+        with self._lock:
+            self._seen[entry.key] = stamp
 
     def _remember(self, entry: Entry) -> None:
         with self._lock:
@@ -437,13 +477,52 @@ if hasattr(os, "register_at_fork"):
 def close_all() -> list[tuple[str, Stats]]:
     """Close every cache of this process (each waits at most its exit timeout, then drops
     what is left); returns ``(directory, counters)`` of every cache it ever closed.
-    Runs at interpreter exit. Thread-safe; never raises."""
+    Runs at interpreter exit. Thread-safe; raises nothing but ``KeyboardInterrupt``:
+    Ctrl-C while it waits closes the remaining caches at once, dropping what is pending,
+    and is then re-raised."""
+    interrupted: KeyboardInterrupt | None = None
     for cache in list(_CACHES):
         try:
-            cache.close()
+            cache.close(0.0 if interrupted is not None else None)
+        except KeyboardInterrupt as e:
+            interrupted = e
         except Exception:  # never fail interpreter exit
             logger.exception("asyncclcache: error at exit")
+    if interrupted is not None:
+        raise interrupted
     return list(_CLOSED)
 
 
-atexit.register(close_all)
+def exit_interrupted() -> NoReturn:
+    """End the process as Python ends on an unhandled Ctrl-C, from an exit hook that was
+    interrupted: one line on stderr (no traceback), stdio flushed, logging shut down,
+    then SIGINT with its default action (status 130 in a shell, -2 to a parent).
+
+    An exception out of an ``atexit`` callback would print "Exception ignored" and exit
+    0, so the signal is re-raised here, as CPython does after an unhandled
+    ``KeyboardInterrupt`` in ``__main__``; exit callbacks not yet run are skipped."""
+    import signal
+    import sys
+
+    dropped = sum(stats.pending for _, stats in _CLOSED)
+    with suppress(Exception):
+        sys.stderr.write(f"asyncclcache: interrupted at exit: {dropped} pending entries dropped\n")
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(Exception):
+            stream.flush()
+    with suppress(Exception):
+        logging.shutdown()
+    with suppress(Exception):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(130)  # SIGINT blocked or not deliverable: the status a shell would show
+
+
+def _close_all_at_exit() -> None:
+    try:
+        close_all()
+    except KeyboardInterrupt:
+        exit_interrupted()
+
+
+atexit.register(_close_all_at_exit)

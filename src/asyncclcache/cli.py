@@ -7,13 +7,18 @@ Commands: ``info``, ``list``, ``verify``, ``prune``, ``clear``, ``stats``, ``exp
 
 Exit codes: 0 success; 1 ``verify`` found bad entries, or ``import`` refused an archive;
 2 usage error, or a cache directory that is foreign or unusable (a missing one is an
-empty cache). ``run`` exits with the program's status.
+empty cache), or not writable where the command changes it. ``run`` exits with the
+program's status.
+
+Names read from the directory (keys, devices, kernels, paths) are printed with control
+characters escaped, so an entry cannot send escape sequences to the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -46,7 +51,20 @@ def _human(n: float) -> str:
 
 
 def _when(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "-"
+    if not t:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+    except (OverflowError, OSError, ValueError):  # a file time set to year 10**9, say
+        return "?"
+
+
+def _printable(text: str) -> str:
+    """``text`` with control and other unprintable characters (and undecodable bytes of
+    file names) escaped as ``repr`` does: names from the disk reach a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def parse_age(text: str) -> float:
@@ -122,13 +140,15 @@ def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any
     rows = []
     for s in stores:
         for e in s.entries():
-            meta = s.read_meta(e.path) or EntryMeta()
+            # None: metadata that EntryMeta refuses (as verify and import do), or unreadable.
+            read = s.read_meta(e.path)
+            meta = read or EntryMeta()
             if device and not meta.for_device(device):
                 continue
             devices = [d.get("device_name", "?") for d in meta.devices]
             rows.append({
                 "key": e.key,
-                "kind": meta.kind,
+                "kind": meta.kind if read is not None else None,
                 "kernels": meta.kernels,
                 "devices": devices,
                 "size": e.size,
@@ -136,6 +156,7 @@ def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any
                 "last_used": max(e.atime, e.mtime),
                 "rank": s.rank if s.rank_local else None,
                 "path": str(e.path),
+                "damaged": read is None,
             })
     rows.sort(key=lambda r: r["last_used"], reverse=True)
     return rows
@@ -143,10 +164,26 @@ def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any
 
 def _emit(args: argparse.Namespace, data: Any, human: list[str]) -> None:
     if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
+        print(json.dumps(data, indent=2, sort_keys=True))  # escapes control characters itself
     else:
         for line in human:
-            print(line[:WIDTH])
+            print(_printable(line)[:WIDTH])
+
+
+def _check_writable(stores: list[Any], doing: str) -> None:
+    """A clear error, before anything is changed, where a directory that ``doing`` writes
+    (each root and fan-out directory: entries are unlinked there) is not writable."""
+    effective = os.access in os.supports_effective_ids
+    for s in stores:
+        for d in [s.root, *s.fanout_dirs()]:
+            if os.access(d, os.W_OK | os.X_OK, effective_ids=effective):
+                continue
+            try:
+                read_only_fs = bool(os.statvfs(d).f_flag & os.ST_RDONLY)
+            except OSError:
+                read_only_fs = False
+            why = "read-only file system" if read_only_fs else "permission denied"
+            raise UsageError(f"cannot {doing} {d}: the directory is not writable ({why})")
 
 # }}}
 
@@ -235,18 +272,26 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows = _listing(_stores(args), args.device)
     human = [f"{'KEY':12s} {'KIND':6s} {'SIZE':>7s} {'CREATED':16s} {'LAST USED':16s} KERNELS @ DEVICE"]
     for r in rows:
-        what = f"{','.join(r['kernels']) or '?'} @ {','.join(r['devices'])}"
+        if r["damaged"]:
+            what = "damaged: see asyncclcache verify"
+        else:
+            what = f"{','.join(r['kernels']) or '?'} @ {','.join(r['devices'])}"
         human.append(
-            f"{r['key'][:12]} {r['kind'][:6]:6s} {_human(r['size']):>7s} {_when(r['created']):16s} "
-            f"{_when(r['last_used']):16s} {what}"
+            f"{r['key'][:12]} {(r['kind'] or 'bad')[:6]:6s} {_human(r['size']):>7s} "
+            f"{_when(r['created']):16s} {_when(r['last_used']):16s} {what}"
         )
     human.append(f"{len(rows)} entries, {_human(sum(r['size'] for r in rows))}")
+    damaged = sum(r["damaged"] for r in rows)
+    if damaged:
+        human.append(f"{damaged} damaged (asyncclcache verify --fix removes them)")
     _emit(args, {"entries": rows}, human)
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     stores = _stores(args)
+    if args.fix:
+        _check_writable(stores, "fix")
     checked = 0
     bad: list[dict[str, str]] = []
     temps: list[str] = []
@@ -280,6 +325,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise UsageError("prune needs --max-size or --older-than (or ASYNCCLCACHE_MAX_SIZE); "
                          "a size of 0 means no bound")
     stores = _stores(args)
+    _check_writable(stores, "prune")
     removed = freed = remaining = 0
     busy = False
     for s in stores:
@@ -298,6 +344,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_clear(args: argparse.Namespace) -> int:
     stores = _stores(args)
+    _check_writable(stores, "clear")
     if not args.yes:
         if not sys.stdin.isatty():
             raise UsageError("clear removes every entry: pass --yes")
@@ -356,7 +403,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     try:
         r = import_archive(_base(args), args.file)
     except ArchiveError as e:
-        print(f"asyncclcache: refusing {e}; nothing was imported", file=sys.stderr)
+        print(f"asyncclcache: refusing {_printable(str(e))}; nothing was imported", file=sys.stderr)
         return EXIT_CHECK_FAILED
     human = [f"imported {r.imported} entries ({r.added} added, {r.replaced} replaced, {r.kept} kept)"]
     if r.busy:
@@ -396,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="asyncclcache",
         description="Run programs through the asyncclcache binary cache; inspect, maintain and ship it.",
         epilog="Exit codes: 0 ok, 1 verify found bad entries or import refused an archive, "
-        "2 usage error or a foreign or unusable cache directory (a missing one is empty); "
+        "2 usage error or a foreign or unusable cache directory (a missing one is empty), "
+        "or one that prune, clear or verify --fix cannot write; 130 interrupted; "
         "run: the program's.",
     )
     parser.add_argument("--version", action="version", version=f"asyncclcache {__version__}")
@@ -485,10 +533,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except UsageError as e:
-        print(f"asyncclcache: {e}", file=sys.stderr)
+        print(f"asyncclcache: {_printable(str(e))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except OSError as e:
-        print(f"asyncclcache: {e.strerror or e}: {getattr(e, 'filename', '') or ''}", file=sys.stderr)
+        where = _printable(str(getattr(e, "filename", "") or ""))
+        print(f"asyncclcache: {e.strerror or e}: {where}", file=sys.stderr)
         return EXIT_USAGE

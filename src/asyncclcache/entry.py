@@ -68,7 +68,18 @@ def _str(x: Any) -> bool:
     return isinstance(x, str)
 
 
-#: The type each known field must have (checked by :meth:`EntryMeta.from_json`).
+#: Latest plausible time stamp: 9999-12-31 23:59:59 UTC (``time.localtime`` and
+#: ``datetime`` take up to year 9999; a larger one is damage, not a date).
+_MAX_TIME = 253402300799.0
+#: Longest plausible compile time (a year): larger is damage, and would swamp ``seconds_saved``.
+_MAX_SECONDS = 365 * 86400.0
+#: Inclusive bounds of each number field, and what they mean. Comparisons reject NaN and
+#: infinities, and work for JSON integers of any size (``math.isfinite`` overflows on those).
+_RANGES: dict[str, tuple[float, float, str]] = {
+    "created": (0.0, _MAX_TIME, "a time from 1970 to 9999"),
+    "compile_seconds": (0.0, _MAX_SECONDS, "seconds from 0 to a year"),
+}
+#: The type each known field must have (checked whenever an :class:`EntryMeta` is made).
 _CHECKS: dict[str, Any] = {
     "kind": _str,
     "devices": lambda x: isinstance(x, list)
@@ -142,22 +153,30 @@ class EntryMeta(Mapping[str, Any]):
     asyncclcache: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The one rule of what valid metadata is, for every reader (load, verify, import,
+        # list) and every writer (a bad value never reaches the disk).
+        for name, check in _CHECKS.items():
+            value = getattr(self, name)
+            if not check(value):
+                raise EntryFormatError(f"bad metadata: {name!r} is {type(value).__name__}")
+            bounds = _RANGES.get(name)
+            if bounds is not None and not bounds[0] <= value <= bounds[1]:
+                raise EntryFormatError(f"bad metadata: {name!r} is {value!r:.30}, not {bounds[2]}")
+
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> EntryMeta:
-        """Check every known field's type; raises :class:`EntryFormatError` naming the first
-        bad one. Framing fields (key, format, binary sizes) are left out."""
+        """Check every known field's type and range; raises :class:`EntryFormatError`
+        naming the first bad one. Framing fields (key, format, binary sizes) are left out."""
         known: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for name, value in data.items():
             if name in _FRAMING:
                 continue
-            check = _CHECKS.get(name)
-            if check is None:
-                extra[name] = value
-            elif not check(value):
-                raise EntryFormatError(f"bad metadata: {name!r} is {type(value).__name__}")
-            else:
+            if name in _CHECKS:
                 known[name] = value
+            else:
+                extra[name] = value
         return cls(**known, extra=extra)
 
     def for_device(self, text: str) -> bool:
@@ -251,6 +270,14 @@ def encode(entry: Entry) -> bytes:
     return body + _digest(body)
 
 
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    # ValueError: also an integer of more than 4300 digits; RecursionError: deep nesting.
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise EntryFormatError(f"bad metadata: {str(e)[:100]}") from None
+
+
 def decode(data: bytes) -> Entry:
     """Parse and verify an entry. Raises :class:`EntryFormatError` on anything wrong."""
     if len(data) < _HEADER.size + _DIGEST_SIZE:
@@ -265,10 +292,7 @@ def decode(data: bytes) -> Entry:
         raise EntryFormatError("checksum mismatch")
     if meta_len > _MAX_META or _HEADER.size + meta_len > len(data) - _DIGEST_SIZE:
         raise EntryFormatError("metadata length out of range")
-    try:
-        meta = json.loads(bytes(view[_HEADER.size : _HEADER.size + meta_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EntryFormatError(f"bad metadata: {e}") from None
+    meta = _parse_json(bytes(view[_HEADER.size : _HEADER.size + meta_len]))
     if not isinstance(meta, dict) or not isinstance(meta.get("key"), str):
         raise EntryFormatError("bad metadata: no key")
     sizes = meta.get("binary_sizes")
@@ -296,10 +320,7 @@ def read_meta(f: IO[bytes]) -> EntryMeta:
     magic, version, _flags, meta_len = _HEADER.unpack(header)
     if magic != MAGIC or version != FORMAT_VERSION or meta_len > _MAX_META:
         raise EntryFormatError("not an asyncclcache entry of this version")
-    try:
-        meta = json.loads(f.read(meta_len).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EntryFormatError(f"bad metadata: {e}") from None
+    meta = _parse_json(f.read(meta_len))
     if not isinstance(meta, dict):
         raise EntryFormatError("bad metadata")
     return EntryMeta.from_json(meta)

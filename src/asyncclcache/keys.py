@@ -7,16 +7,34 @@ A key is the SHA-256 hex digest of a canonical JSON document holding:
   version; device name, vendor, version and driver version),
 * the processed build options, exactly the bytes pyopencl passes to the driver,
 * the SHA-256 of the source,
-* the path and SHA-256 of the *content* of every file ``#include``-d from the
-  source, found the way pyopencl finds them (``.`` and every ``-I`` directory,
-  recursively).
+* the real path and SHA-256 of the *content* of every file ``#include``-d from the
+  source, recursively, each found where the compiler finds it (and the version of that
+  lookup rule).
+
+Includes are resolved by one rule, clang's, or the program is uncacheable:
+
+* what counts as a directive is what the preprocessor sees: line ends ``\r\n`` and
+  ``\r`` are ``\n``; line splices (backslash, optional spaces or tabs, line end; also
+  the trigraph ``??/``) are removed; comments are whitespace (``/* */ #include`` is an
+  include), a commented-out or quoted include is none; ``%:`` and ``??=`` are ``#``.
+  ``#if`` is not evaluated: an include in a skipped branch has to be found too.
+* ``#include "x"``: the including file's own folder first (for the source itself, the
+  folder of the file the compiler compiles: pocl's cache directory, where pocl writes
+  its copy of the source), then the include path in order (``.`` and every ``-I``
+  folder, as pyopencl gives it: pocl adds ``-I.`` before the user's). ``#include <x>``:
+  the include path only. The first regular file found is the one in the key, by path
+  and content, whatever later folders hold.
+* Uncacheable (``KeyInfo.uncertain``; built plainly, never cached): an include that is
+  not found on that path (the compiler may find it on its own search path, where we
+  could not see it change), a macro include or an odd name, ``#include_next``,
+  ``#import``, ``__has_include``/``__has_include_next`` anywhere in the code (the code
+  depends on which files exist), ``__DATE__``/``__TIME__``/``__TIMESTAMP__``, and a
+  header reached through links whose includes resolve differently in its folders.
+  When unsure, uncacheable: never stale.
 
 Guarantees: the key is stable across runs and machines with the same inputs (no
 ``hash()``, no ``PYTHONHASHSEED``, no timestamps), and any change to a listed
 input changes it. A header's modification time alone does not: content counts.
-A header that cannot be found on the include path (only on the compiler's own
-search path, say) or a macro include makes the key uncertain: such a program is
-built plainly and never cached (``KeyInfo.uncertain``).
 """
 
 from __future__ import annotations
@@ -26,9 +44,10 @@ import hashlib
 import json
 import os
 import re
+import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "INCLUDE_RULE",
     "POCL_PLATFORM_NAME",
     "IncludeDep",
     "KeyInfo",
@@ -55,31 +75,106 @@ POCL_PLATFORM_NAME = "Portable Computing Language"
 #: Version of the entry format; part of every key and of the directory name.
 FORMAT_VERSION = 1
 
-# Comments and string literals, so that a commented-out include is not one and an include
-# followed by a comment is. Strings are kept (a "//" inside one is no comment).
-_COMMENT_RE = re.compile(
-    rb"""//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'""", re.DOTALL
+# {{{ scanning: what the preprocessor sees as an include
+
+# Trigraphs (phase 1). clang replaces them in OpenCL C (not a GNU mode); another compiler
+# may not, so a text that has one is scanned both ways (the union of what both see).
+_TRIGRAPH_RE = re.compile(rb"\?\?([=/'()!<>\-])")
+_TRIGRAPHS = {b"=": b"#", b"/": b"\\", b"'": b"^", b"(": b"[", b")": b"]", b"!": b"|",
+              b"<": b"{", b">": b"}", b"-": b"~"}
+# Line splices (phase 2), as clang's lexer takes them: a backslash, optional horizontal
+# whitespace, one line end (\r\n and \n\r count as one).
+_SPLICE_RE = re.compile(rb"\\[ \t\f\v]*(?:\r\n|\n\r|\r|\n)")
+_EOL_RE = re.compile(rb"\r\n?")
+# Comments, string and character literals (phase 3), scanned left to right as clang
+# lexes them: an unterminated literal ends at the line end, and hides what follows on
+# its line (clang makes it one token); an unterminated comment runs to the end.
+_LEX_RE = re.compile(
+    rb"""//[^\n]*|/\*.*?(?:\*/|\Z)"""
+    rb"""|"(?:\\[^\n]|[^"\\\n])*(?:"|(?=\n)|\Z)|'(?:\\[^\n]|[^'\\\n])*(?:'|(?=\n)|\Z)""",
+    re.DOTALL,
 )
-# Every include directive; group 2 is the name when it is a literal <name> or "name".
-_DIRECTIVE_RE = re.compile(rb'^[ \t]*\#[ \t]*include\b[ \t]*(([<"])([^<>"\n]+)[>"])?', re.MULTILINE)
+# A comment becomes one marker byte, as clang makes it one space: \x02 where it spanned
+# line ends (a directive goes on across it), \x01 where not.
+_ONE_LINE, _MULTI_LINE = b"\x01", b"\x02"
+# What may stand before and inside a directive: whitespace, comments, and (leniently, so
+# as to see too many directives rather than too few) control and non-ASCII bytes (a BOM).
+_SPACE = rb"[^\n!-~]*"
+# A directive: `#` or the digraph `%:` first on its line; group 1 its name, 2 the rest.
+_DIRECTIVE_RE = re.compile(
+    rb"^" + _SPACE + rb"(?:\#|%:)" + _SPACE + rb"([A-Za-z_][A-Za-z0-9_]*)?([^\n]*)", re.MULTILINE
+)
+_HEADER_RE = re.compile(_SPACE + rb'(?:"([^"\n]*)"|<([^>\n]*)>)')
+# Not a plain file name: a control byte (a comment's marker among them: an angled name
+# lexed as tokens where skipped by #if), a quote, a backslash.
+_ODD_NAME_RE = re.compile(rb"""[\x00-\x1f\x7f\\"']""")
+# Depend on which files exist, or on the clock: no key can hold that.
+_UNKEYABLE_RE = re.compile(rb"__has_(?:include|embed)|\b__(?:DATE|TIME|TIMESTAMP)__\b")
+_UNSUPPORTED = frozenset({b"include_next", b"import", b"embed"})
+
+
+@dataclass(frozen=True)
+class _Scan:
+    #: ``(quoted, name)`` of every ``#include``, in order: quoted for ``"name"``.
+    names: tuple[tuple[bool, bytes], ...]
+    #: Why the includes cannot be known for certain, or ``None``.
+    uncertain: str | None
+
+
+def _comment_to_marker(m: re.Match[bytes]) -> bytes:
+    t = m.group(0)
+    if t[:1] in (b'"', b"'"):
+        return t
+    unclosed = t[:2] == b"/*" and (len(t) < 4 or not t.endswith(b"*/"))
+    return _MULTI_LINE if unclosed or b"\n" in t else _ONE_LINE
+
+
+def _scan_one(text: bytes) -> _Scan:
+    text = _EOL_RE.sub(b"\n", _SPLICE_RE.sub(b"", text))
+    code = _LEX_RE.sub(_comment_to_marker, text)
+    odd = _UNKEYABLE_RE.search(code)
+    if odd is not None:
+        return _Scan((), f"{odd.group(0).decode()} (the code depends on more than file contents)")
+    names: list[tuple[bool, bytes]] = []
+    for m in _DIRECTIVE_RE.finditer(code):
+        directive, rest = m.group(1), m.group(2)
+        if directive in _UNSUPPORTED:
+            return _Scan((), f"#{directive.decode()} (its lookup is not tracked)")
+        if directive in (b"error", b"warning") and _MULTI_LINE in rest:
+            # clang reads this line raw: a "/*" on it starts no comment, unless #if skips it.
+            return _Scan((), f"#{directive.decode()} with an unclosed /* comment")
+        if directive != b"include":
+            continue
+        h = _HEADER_RE.match(rest)
+        quoted = h is not None and h.group(1) is not None
+        name = None if h is None else h.group(1) if quoted else h.group(2)
+        if not name or _ODD_NAME_RE.search(name):
+            what = rest.strip(b" \t\x01\x02")[:60].decode("utf-8", "replace")
+            return _Scan((), f"an #include that is not a plain literal file name ({what!r})")
+        names.append((quoted, name))
+    return _Scan(tuple(names), None)
+
+
+def _scan(text: bytes) -> _Scan:
+    """The includes of ``text`` as a C preprocessor finds them (not evaluating ``#if``: an
+    include in a skipped branch counts too), or why they cannot be known for certain."""
+    plain = _scan_one(text)
+    if plain.uncertain is not None or _TRIGRAPH_RE.search(text) is None:
+        return plain
+    replaced = _scan_one(_TRIGRAPH_RE.sub(lambda m: _TRIGRAPHS[m.group(1)], text))
+    if replaced.uncertain is not None:
+        return replaced
+    return _Scan(tuple(dict.fromkeys(plain.names + replaced.names)), None)
 
 
 def scan_includes(text: bytes) -> tuple[tuple[bytes, ...], bool]:
-    """The names ``text`` includes, and whether some include is not a literal name (a
-    macro, say), which no scan can resolve for certain. Comments do not count."""
-    def blank(m: re.Match[bytes]) -> bytes:
-        t = m.group(0)
-        return t if t[:1] in (b'"', b"'") else b" " + b"\n" * t.count(b"\n")
+    """The names ``text`` includes, and whether its includes cannot be known for certain
+    (a macro include, ``#include_next``, ``__has_include``, ...). Comments do not count."""
+    scanned = _scan(text)
+    return tuple(name for _quoted, name in scanned.names), scanned.uncertain is not None
 
-    code = _COMMENT_RE.sub(blank, text.replace(b"\\\n", b""))
-    names = []
-    unresolvable = False
-    for m in _DIRECTIVE_RE.finditer(code):
-        if m.group(3) is None:
-            unresolvable = True
-        else:
-            names.append(m.group(3).strip())
-    return tuple(names), unresolvable
+
+# }}}
 
 
 @dataclass(frozen=True)
@@ -174,9 +269,18 @@ def host_cpu_features() -> str:
 _RACY_NS = 2_000_000_000
 
 
+@dataclass(frozen=True)
+class _Scanned:
+    """A file as read: its content digest, identity (device, inode) and includes."""
+
+    sha256: str
+    ident: tuple[int, int]
+    scan: _Scan
+
+
 class _DigestMemo:
-    """(path, inode, size, mtime, ctime) -> content digest and the names the file includes:
-    a cheap stat before any re-read.
+    """(path, device, inode, size, mtime, ctime) -> what :class:`_Scanned` holds: a cheap
+    stat before any re-read.
 
     Like git's "racily clean" rule, a result is only remembered for a file whose
     last change is clearly older than the moment it was read; otherwise a second
@@ -185,38 +289,36 @@ class _DigestMemo:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._memo: dict[str, tuple[tuple[int, int, int, int], str, tuple[bytes, ...], bool]] = {}
+        self._memo: dict[str, tuple[tuple[int, int, int, int, int], _Scanned]] = {}
 
-    def scan(self, path: str) -> tuple[str, tuple[bytes, ...], bool] | None:
-        """The file's SHA-256, its ``#include`` names and whether some include is not a
-        literal name; ``None`` if it is not a readable file."""
+    def scan(self, path: str) -> _Scanned | None:
+        """The file at ``path`` as read now; ``None`` if it is not a readable regular file."""
         try:
             st = os.stat(path)
-        except OSError:
+        except (OSError, ValueError):
             return None
-        if not os.path.isfile(path):
+        if not stat.S_ISREG(st.st_mode):
             return None
-        stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         with self._lock:
             hit = self._memo.get(path)
         if hit is not None and hit[0] == stamp:
-            return hit[1], hit[2], hit[3]
+            return hit[1]
         read_at = time.time_ns()
         try:
             with open(path, "rb") as f:
                 text = f.read()
         except OSError:
             return None
-        digest = hashlib.sha256(text).hexdigest()
-        names, unresolvable = scan_includes(text)
+        scanned = _Scanned(hashlib.sha256(text).hexdigest(), (st.st_dev, st.st_ino), _scan(text))
         if read_at - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
             with self._lock:
-                self._memo[path] = (stamp, digest, names, unresolvable)
-        return digest, names, unresolvable
+                self._memo[path] = (stamp, scanned)
+        return scanned
 
     def digest(self, path: str) -> str | None:
         scanned = self.scan(path)
-        return None if scanned is None else scanned[0]
+        return None if scanned is None else scanned.sha256
 
 
 _MEMO = _DigestMemo()
@@ -226,35 +328,78 @@ class UncertainIncludes(Exception):
     """An ``#include`` that cannot be resolved for certain: nothing is cached for it."""
 
 
-def find_include_deps(source: bytes, include_path: Sequence[str]) -> tuple[IncludeDep, ...]:
-    """Every file ``source`` includes, recursively, resolved on ``include_path``.
+def find_include_deps(
+    source: bytes, include_path: Sequence[str], *, source_dir: str | None = None
+) -> tuple[IncludeDep, ...]:
+    """Every file ``source`` includes, recursively, resolved as clang resolves it.
 
-    Raises :class:`UncertainIncludes` for an include that is not a literal name (a
-    macro) or that is not found on ``include_path`` (the compiler may find it elsewhere,
-    and a stale header is a silently wrong result). Thread-safe.
+    ``#include "name"``: the including file's own folder first (for the source itself,
+    ``source_dir``, where the compiler keeps the file it compiles; ``None``: none), then
+    ``include_path`` in order. ``#include <name>``: ``include_path`` only. The first
+    regular file found is the one hashed, whatever a later folder holds.
+
+    Raises :class:`UncertainIncludes` where the scan cannot be sure (see :func:`scan_includes`)
+    or a file is not found on that path (the compiler may find it elsewhere, and a stale
+    header is a silently wrong result). Thread-safe.
     """
     found: dict[str, str] = {}
+    seen: set[tuple[str, str]] = set()
+    # Per file (device, inode): what it includes, and every folder it may count as in.
+    files: dict[tuple[int, int], tuple[_Scan, set[str]]] = {}
 
-    def visit(names: Iterable[bytes], unresolvable: bool, where: str) -> None:
-        if unresolvable:
-            raise UncertainIncludes(f"an #include in {where} is not a literal file name")
-        for raw in names:
-            name = raw.decode("utf-8", "surrogateescape")
-            for directory in include_path:
-                path = os.path.realpath(os.path.join(directory, name))
-                if path in found:
-                    break
-                scanned = _MEMO.scan(path)
-                if scanned is None:
+    def resolve(quoted: bool, name: str, folder: str | None, where: str) -> tuple[str, str, _Scanned]:
+        """(the path clang opens, its real path, the file) for one include."""
+        first = (folder,) if quoted and folder is not None else ()
+        for directory in (*first, *include_path):
+            # The path as clang opens it (the OS resolves ".." after symbolic links, which
+            # a realpath of a missing folder would not): a folder of that name is skipped.
+            opened = os.path.join(directory, name)
+            try:
+                if stat.S_ISDIR(os.stat(opened).st_mode):
                     continue
-                found[path] = scanned[0]
-                visit(scanned[1], scanned[2], path)
-                break
-            else:
-                raise UncertainIncludes(f"#include {name!r} ({where}) is not on the include path")
+            except OSError:
+                continue
+            real = os.path.realpath(opened)
+            scanned = _MEMO.scan(real)
+            if scanned is None:
+                raise UncertainIncludes(f"#include {name!r} ({where}): {opened} is not a readable file")
+            return opened, real, scanned
+        raise UncertainIncludes(f"#include {name!r} ({where}) is not on the include path")
 
-    visit(*scan_includes(source), "the source")
+    todo: list[tuple[_Scan, str, str | None]] = [(_scan(source), "the source", source_dir)]
+    while todo:
+        scan, where, folder = todo.pop()
+        if scan.uncertain is not None:
+            raise UncertainIncludes(f"{scan.uncertain} in {where}")
+        for quoted, raw in scan.names:
+            opened, real, scanned = resolve(quoted, raw.decode("utf-8", "surrogateescape"), folder, where)
+            found[real] = scanned.sha256
+            # Its own includes are looked up in the folder it was opened in, which for a
+            # symbolic link is not the target's: both are tried (below).
+            within = os.path.realpath(os.path.dirname(opened))
+            folders = files.setdefault(scanned.ident, (scanned.scan, set()))[1]
+            folders.update((within, os.path.dirname(real)))
+            if (real, within) not in seen:
+                seen.add((real, within))
+                todo.append((scanned.scan, real, within))
+
+    # A file reached under several names (symbolic or hard links): clang may take its
+    # folder from any of them (clang 15 keeps the first name it met). Each must agree.
+    for scan, folders in files.values():
+        for quoted, raw in scan.names:
+            if quoted and len(folders) > 1:
+                name = raw.decode("utf-8", "surrogateescape")
+                if len({resolve(True, name, f, "a linked header")[1] for f in folders}) > 1:
+                    raise UncertainIncludes(
+                        f'#include "{name}" in a header reached through links resolves '
+                        f"differently in its folders {sorted(folders)}"
+                    )
     return tuple(IncludeDep(p, d) for p, d in sorted(found.items()))
+
+
+#: Version of the include lookup rule: keys made under an older rule (which could hash a
+#: file the compiler did not take) never match a key made now.
+INCLUDE_RULE = 2
 
 
 def make_key(
@@ -264,17 +409,21 @@ def make_key(
     include_path: Sequence[str],
     *,
     kind: str = "binary",
+    source_dir: str | None = None,
 ) -> KeyInfo:
     """Compute the key of building ``source`` with ``options`` for ``devices``. Thread-safe.
 
     ``kind`` is what the entry holds (``binary``, or ``kcache``: pocl's kernel-cache files);
-    entries of different kinds never share a key."""
+    entries of different kinds never share a key. ``source_dir`` is the folder of the file
+    the compiler compiles (pocl's cache directory), searched first for the source's own
+    ``#include "..."`` (see :func:`find_include_deps`)."""
     import pyopencl
 
     identities = tuple(device_identity(d) for d in devices)
     uncertain = None
     try:
-        deps = find_include_deps(source, include_path)
+        folder = None if source_dir is None else os.path.realpath(source_dir)
+        deps = find_include_deps(source, include_path, source_dir=folder)
     except UncertainIncludes as e:
         deps, uncertain = (), str(e)
     source_sha = hashlib.sha256(source).hexdigest()
@@ -285,6 +434,7 @@ def make_key(
         "options": options.decode("utf-8", "surrogateescape"),
         "source_sha256": source_sha,
         "includes": [[d.path, d.sha256] for d in deps],
+        "include_rule": INCLUDE_RULE,
         "environment": code_settings(devices),
     }
     if kind != "binary":

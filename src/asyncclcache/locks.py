@@ -1,36 +1,48 @@
 """Per-key claims: the non-blocking file lock that lets one process (rank) per key do the
 work, and the probe that tells a stale lock file from a held one.
 
-A claim is an ``flock`` (filelock), taken with ``timeout=0``: a process that finds it
-held skips the key, never waits. The kernel releases it when its holder dies, so a
-killed writer's claim expires with it. A claim removes its lock file while still
-holding it, so lock files do not pile up. Thread- and process-safe.
+A claim is our own ``flock`` on ``<key>.lock``, taken with ``LOCK_NB``: a process that
+finds it held skips the key, never waits. The kernel releases it when its holder dies,
+so a killed writer's claim expires with it. Thread- and process-safe.
+
+Guarantee: at most one :class:`Claim` for a key is held at a time, across threads and
+processes (on any filesystem where ``flock`` locks are shared between those processes).
+Lock files do not pile up: a claim removes its file while still holding it, and a sweep
+removes an unheld one while holding it. So a lock file is unlinked only by the holder of
+the inode its path names, and whoever locks a file then checks that the path still names
+that inode (if not, the file was released and removed between its ``open`` and its
+``flock``; it is dropped and the path opened again). Without that check two processes
+could both hold a key: one on the unlinked file, one on its replacement.
+
+Claims do not use filelock, whose behaviour here changed between versions (3.12 to 3.20
+lock an unlinked file; 3.21 added a link-count check).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .fileio import NOFOLLOW, NONBLOCK
-
-if TYPE_CHECKING:
-    import filelock
-
-# filelock is imported where a lock is taken (background threads, the command line), not
-# at import: it pulls in asyncio and costs 7 ms here, 80 ms on a cold bytecode cache,
-# which a warm start (about 40 ms in all) should not pay.
+from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK
 
 __all__ = ["LOCK_SUFFIX", "Claim", "take", "unheld"]
 
 logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
+
+#: How often :func:`take` opens the path again after locking a file that was removed
+#: meanwhile. Each retry means another holder released the key just then; past this
+#: many the key is busy, and is reported held.
+ATTEMPTS = 8
+
+#: ``flock`` errors that mean: another open file holds the lock.
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 #: Serializes this process's claims with its sweep's probes: a probe takes each unheld
 #: lock file for a moment, and must not do so between a claimer's creating the file and
@@ -46,65 +58,95 @@ if hasattr(os, "register_at_fork"):  # a fork while another thread probed must n
     os.register_at_fork(after_in_child=_new_probing_lock)
 
 
-def take(key: str, lock_path: Path) -> Claim | None:
-    """Claim ``key`` by locking ``lock_path`` without blocking; ``None`` if it is held."""
-    import filelock
-
-    lock = filelock.FileLock(str(lock_path), timeout=0, mode=0o600, thread_local=False)
+def _lock(fd: int, path: Path) -> bool | None:
+    """``flock`` ``fd`` without blocking; True if it is now held and ``path`` still names
+    it, False if held by another, None if it was unlinked or replaced (released meanwhile)."""
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in _HELD:
+            return False
+        raise
+    try:
+        st = os.fstat(fd)
+        current = st.st_nlink > 0 and os.path.samestat(st, os.lstat(path))
+    except FileNotFoundError:
+        current = False
+    return True if current else None
+
+
+def take(key: str, lock_path: Path) -> Claim | None:
+    """Claim ``key`` by locking ``lock_path`` without blocking; ``None`` if it is held.
+
+    Raises ``OSError`` if the lock file cannot be opened or locked (not for a held lock).
+    """
+    for _ in range(ATTEMPTS):
         with _probing:
-            lock.acquire()
-    except filelock.Timeout:
-        logger.debug("entry %s is claimed by another process: skip", key)
-        return None
-    return Claim(key, lock_path, lock)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | NOFOLLOW | CLOEXEC | NONBLOCK, 0o600)
+            try:
+                got = _lock(fd, lock_path)
+            except BaseException:
+                os.close(fd)
+                raise
+            if got:
+                return Claim(key, lock_path, fd)
+            os.close(fd)  # held by another, or a removed file: ours was never the lock
+            if got is False:
+                break
+    logger.debug("entry %s is claimed by another process: skip", key)
+    return None
 
 
 def unheld(path: Path, *, remove: bool) -> bool:
     """True if nobody holds the lock file at ``path``; with ``remove``, unlink it too.
 
-    Probes with its own ``flock`` on the existing file (a filelock would create a
-    missing one) and unlinks while holding it, as :meth:`Claim.release` does.
+    Probes with its own ``flock`` on the existing file (never creates one) and, like
+    :meth:`Claim.release`, unlinks only while holding the file the path names.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
     except OSError:
         return False
     try:
         with _probing:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                return False  # held
-            try:
-                if not os.path.samestat(os.lstat(path), os.fstat(fd)):
-                    return False  # replaced meanwhile: that one is somebody's
+                if not _lock(fd, path):
+                    return False  # held, or replaced meanwhile: that one is somebody's
                 if remove:
                     os.unlink(path)
             except OSError:
                 return False
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
             return True
     finally:
-        os.close(fd)
+        os.close(fd)  # unlocks
 
 
 class Claim:
-    """A held per-key lock (see :meth:`Store.claim`). ``release()`` is idempotent."""
+    """A held per-key lock (see :meth:`Store.claim`). ``release()`` is idempotent and
+    thread-safe; a claim dropped unreleased is released when collected."""
 
-    def __init__(self, key: str, path: Path, lock: filelock.BaseFileLock) -> None:
+    def __init__(self, key: str, path: Path, fd: int) -> None:
         self.key = key
         self.path = path
-        self._lock = lock
-        self._released = False
+        self._fds = [fd]  # popped once: a release racing another closes the fd only once
+        self._pid = os.getpid()
 
     def release(self) -> None:
         """Remove the lock file (while still holding it, so none piles up) and unlock."""
-        if self._released:
+        try:
+            fd = self._fds.pop()
+        except IndexError:
             return
-        self._released = True
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        with contextlib.suppress(OSError, RuntimeError):
-            self._lock.release()
+        try:
+            # A forked child shares the parent's lock: it only closes its copy of the fd.
+            if os.getpid() == self._pid:
+                with contextlib.suppress(OSError):
+                    if os.path.samestat(os.fstat(fd), os.lstat(self.path)):
+                        os.unlink(self.path)
+        finally:
+            os.close(fd)  # unlocks (the last fd of the open file)
+
+    def __del__(self) -> None:
+        if self._fds:  # dropped unreleased: free the key, as filelock's own finalizer did
+            with contextlib.suppress(Exception):
+                self.release()

@@ -205,10 +205,10 @@ class Pipeline:
         job.driver.fetch(job, purpose, lambda snap, error: self._fetched(job, purpose, snap, error))
 
     def _written_since(self, job: Job) -> bool:
-        try:
-            return self.store.path_for(job.key).stat().st_mtime >= job.created
-        except OSError:
-            return False
+        # Which file, not when: an entry's mtime is set before its fsync and rename, and
+        # clocks of other hosts (NFS) differ. Rename gives every write a new inode.
+        now = self.store.stamp(job.key)
+        return now is not None and now != job.seen
 
     def _fetched(
         self, job: Job, purpose: Purpose, snap: Snapshot | None, error: BaseException | None

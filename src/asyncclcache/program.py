@@ -21,10 +21,11 @@ from typing import Any
 import pyopencl as cl
 from pyopencl import _cl
 
+from . import pocl_env
 from .cache import Cache, default_cache
 from .drivers import SourceBuild
 from .errors import BinaryRejectedWarning
-from .keys import make_key
+from .keys import POCL_PLATFORM_NAME, make_key
 
 __all__ = ["Program", "install", "installed", "is_installed", "uninstall"]
 
@@ -67,7 +68,11 @@ def cached_build(
     source = prg._source
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
     driver = cache.driver_for(devs)
-    info = make_key(source_bytes, options_bytes, devs, include_path, kind=driver.kind)
+    # pocl compiles its copy of the source in its cache directory: clang looks there first
+    # for the source's #include "..." (keys.py).
+    pocl_dir = pocl_env.source_dir() if any(d.platform.name == POCL_PLATFORM_NAME for d in devs) else None
+    info = make_key(source_bytes, options_bytes, devs, include_path, kind=driver.kind,
+                    source_dir=None if pocl_dir is None else str(pocl_dir))
     if info.uncertain is not None:
         # A header we cannot track for certain could change without changing the key.
         logger.info("asyncclcache: not caching a program: %s", info.uncertain)
@@ -122,7 +127,10 @@ def _from_entry(
         _replay_logs(entry.meta.build_logs, devs)
         return result.program, True, "cache retrieval", duration
     if result.program is not None and not result.blame_entry:
-        # Our I/O failed (logged by the driver), not the entry: keep it; a plain miss.
+        # Our I/O failed, or the cause may be a setting (the driver warned): keep the
+        # entry; a plain miss, whose own entry replaces it where the driver makes one.
+        if result.rejected:
+            cache.record_unused(info)
         _after_miss(cache, result.program, info, source, devs, looked_up_at, duration, built_from, time.time())
         return result.program, False, "source build (stored entry could not be used here)", duration
     what = "binary" if entry.kind == "binary" else "kernel-cache files"

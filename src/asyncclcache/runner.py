@@ -3,11 +3,12 @@
 ::
 
     asyncclcache run [--dir DIR] [--strategy S] [--stats] script.py ARGS...
+    asyncclcache run [...] - ARGS...                  (the script on stdin)
     asyncclcache run [...] -m package.module ARGS...
     asyncclcache run [...] -- COMMAND ARGS...
 
-The first two run the program in this process, as ``python script.py`` and
-``python -m module`` would (``runpy``, as ``coverage run`` does): ``sys.argv``,
+The first three run the program in this process, as ``python script.py``,
+``python -`` and ``python -m module`` would (``runpy``, as ``coverage run`` does): ``sys.argv``,
 ``sys.path[0]``, ``__main__``, exceptions and the exit status are the program's own,
 so ``mpiexec -n N python -m asyncclcache run driver.py`` works. The options become
 ``ASYNCCLCACHE_*`` variables of this process (so processes it starts inherit them),
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +32,7 @@ __all__ = ["USAGE", "RunArgs", "main", "parse"]
 
 USAGE = """\
 usage: asyncclcache run [--dir DIR] [--strategy S] [--stats] script.py [ARGS...]
+       asyncclcache run [--dir DIR] [--strategy S] [--stats] - [ARGS...]
        asyncclcache run [--dir DIR] [--strategy S] [--stats] -m MODULE [ARGS...]
        asyncclcache run [--dir DIR] [--strategy S] [--stats] -- COMMAND [ARGS...]
 
@@ -39,6 +42,7 @@ options:
   --dir DIR       cache directory (ASYNCCLCACHE_DIR)
   --strategy S    auto, kcache, process, thread or sync (ASYNCCLCACHE_STRATEGY)
   --stats         one summary line per process at exit (ASYNCCLCACHE_STATS=1)
+  -               read the script from stdin, as python - does
   -m MODULE       run a module, as python -m does
   -- COMMAND      run any command with ASYNCCLCACHE_INSTALL=1 in its environment
 """
@@ -145,6 +149,8 @@ def main(argv: Sequence[str]) -> int:
         return _run(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True),
                     [module, *r.args], os.getcwd(), None)
     assert r.script is not None
+    if r.script == "-":  # as `python -`: argv[0] '-', sys.path[0] '' (the working directory)
+        return _run(_run_stdin, ["-", *r.args], "", _STDIN)
     if not os.path.exists(r.script):
         sys.stderr.write(f"asyncclcache: run: can't open file {r.script!r}: no such file\n")
         return EXIT_USAGE
@@ -153,20 +159,47 @@ def main(argv: Sequence[str]) -> int:
                 [script, *r.args], os.path.dirname(os.path.abspath(script)), os.path.abspath(script))
 
 
+_STDIN = "<stdin>"
+
+
+def _run_stdin() -> None:
+    """The script on stdin, run as ``python -`` runs it: read to the end, then executed
+    as ``__main__`` with ``__file__`` ``<stdin>`` (coding cookies honoured)."""
+    import builtins
+    from importlib.machinery import BuiltinImporter
+
+    code = compile(sys.stdin.buffer.read(), _STDIN, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=_STDIN, __cached__=None, __builtins__=builtins, __loader__=BuiltinImporter,
+                         __annotations__={})
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main  # as runpy.run_path does, restored afterwards
+    try:
+        exec(code, main.__dict__)  # noqa: S102 - the user's program, as python - runs it
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
 def _run(call: Callable[[], object], argv: list[str], path0: str, filename: str | None) -> int:
-    # As the interpreter sets them for `python script.py` / `python -m module`.
+    # As the interpreter sets them for `python script.py` / `python -` / `python -m module`.
     sys.argv[:] = argv
     if sys.path and sys.path[0] != path0:
         sys.path[0] = path0
     try:
         call()
     except Exception as e:  # noqa: BLE001 - the program's; SystemExit and KeyboardInterrupt pass
-        # What the interpreter prints, without runpy's and our frames above the program's.
+        # What the interpreter prints, without runpy's and our frames above the program's;
+        # none at all when the program never ran (a SyntaxError shows its own location).
         tb = e.__traceback__
         while tb is not None and not _is_program_frame(tb.tb_frame.f_code.co_filename, filename):
             tb = tb.tb_next
-        if tb is not None:
-            e.__traceback__ = tb
+        if tb is None and isinstance(e, ImportError):
+            # runpy found no module (-m), or no __main__ in a directory or zip: one line,
+            # as the interpreter prints it.
+            sys.stderr.write(f"{sys.executable}: {e}\n")
+            return 1
+        e.__traceback__ = tb
         sys.excepthook(type(e), e, e.__traceback__)
         return 1
     return 0
@@ -174,7 +207,7 @@ def _run(call: Callable[[], object], argv: list[str], path0: str, filename: str 
 
 def _is_program_frame(co_filename: str, filename: str | None) -> bool:
     if filename is not None:
-        return os.path.abspath(co_filename) == filename
+        return co_filename == filename or os.path.abspath(co_filename) == filename
     here = os.path.dirname(os.path.abspath(__file__))
     return not (co_filename.startswith(here) or "runpy" in os.path.basename(co_filename)
                 or co_filename.startswith("<frozen runpy"))

@@ -60,12 +60,21 @@ from .ranks import detect_rank
 
 __all__ = [
     "ENTRY_SUFFIX", "LOCK_SUFFIX", "TEMP_PREFIX", "TEMP_SUFFIX", "Claim", "PublishResult", "ReadResult",
-    "Store", "StoredEntry", "check_data", "default_directory",
+    "Stamp", "Store", "StoredEntry", "check_data", "default_directory", "stamp_of",
 ]
 
 logger = logging.getLogger(__name__)
 
 ENTRY_SUFFIX = ".acl"
+
+#: Which file an entry path named: (device, inode, size, modification time in ns). Entries
+#: are replaced by rename, so another write gives another inode; no clock is compared.
+Stamp = tuple[int, int, int, int]
+
+
+def stamp_of(st: os.stat_result) -> Stamp:
+    """The :data:`Stamp` of a ``stat`` result."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def default_directory() -> Path:
@@ -236,14 +245,28 @@ class Store:
         A damaged, truncated or foreign entry warns once (:class:`CorruptEntryWarning`),
         is removed, and is a miss. Never raises for the file's content.
         """
+        return self.lookup(key, devices)[0]
+
+    def lookup(
+        self, key: str, devices: Sequence[dict[str, str]] | None = None
+    ) -> tuple[Entry | None, Stamp | None]:
+        """:meth:`load`, and the :func:`stamp_of` of the file it read (``None``: none),
+        so that a writer can tell later, without a clock, whether the file was replaced."""
         r = self.read(key)
         if r.problem is not None:
             self._reject(r.path, r.problem, r.stat, insecure=r.insecure)
-            return None
+            return None, None
         if r.entry is not None and devices is not None and r.entry.meta.devices != list(devices):
             self._reject(r.path, "was built for another device", r.stat)
+            return None, None
+        return r.entry, (stamp_of(r.stat) if r.entry is not None and r.stat is not None else None)
+
+    def stamp(self, key: str) -> Stamp | None:
+        """The :func:`stamp_of` of the entry file for ``key`` now; ``None`` if there is none."""
+        try:
+            return stamp_of(os.lstat(self.path_for(key)))
+        except OSError:
             return None
-        return r.entry
 
     def read(self, key: str) -> ReadResult:
         """Read and fully check the entry for ``key`` (format, checksum, key, paths,

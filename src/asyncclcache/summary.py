@@ -1,7 +1,8 @@
 """The exit summary (``--stats``, ``ASYNCCLCACHE_STATS=1``): one line, as ``ccache -s``.
 
 Each process prints one line to stderr at exit, after its caches are closed (so
-``pending`` is what was dropped)::
+``pending`` is what was dropped; Ctrl-C meanwhile prints none, see
+:func:`~asyncclcache.cache.exit_interrupted`)::
 
     asyncclcache: 4 hits, 0 misses, 0 writes (0.0 MB), 1.9 s saved, 0 pending  [/dir]
 
@@ -80,6 +81,13 @@ def _at_exit() -> None:
             _job_line(mpi, stats, dirs)
         elif stats is not None:
             _print(summary_line(stats, dirs, _label()))
+    except KeyboardInterrupt:
+        # Ctrl-C while the caches flushed (or ranks reported): no summary; end as Python
+        # ends on Ctrl-C (the caches are closed by now: close_all drops what is pending).
+        cache = sys.modules.get("asyncclcache.cache")
+        if cache is None:
+            raise
+        cache.exit_interrupted()
     except Exception as e:  # noqa: BLE001 - never fail interpreter exit
         sys.stderr.write(f"asyncclcache: no exit summary: {type(e).__name__}: {e}\n")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,8 +61,11 @@ class Job:
     logs: list[str]
     driver: Driver
     kernels: tuple[str, ...] = ()
-    #: ``time.time()`` before the key lookup: a key written after it is someone else's.
+    #: ``time.time()`` before the key lookup (bookkeeping only: no decision compares it).
     created: float = 0.0
+    #: The entry file the lookup saw (the store's stamp; ``None``: none): a file there
+    #: that is not this one was written since, by someone else.
+    seen: tuple[int, ...] | None = None
     #: ``time.time()`` around the source build (pocl's kernel-cache folder is touched in it).
     built_from: float = 0.0
     built_to: float = 0.0
@@ -87,10 +91,30 @@ class Job:
     folders: tuple[str, ...] | None = None
     #: kcache: the files the last written entry holds.
     written_files: frozenset[str] = frozenset()
+    #: The caller's working directory at the build, where relative ``-I`` folders and a
+    #: quoted ``#include`` resolve (``None``: unknown, so no other process may rebuild it).
+    cwd: str | None = None
+    #: The caller's ``POCL_*`` variables at the build: the settings its key holds
+    #: (``None``: not taken; the driver reads the environment when it needs them).
+    environ: dict[str, str] | None = None
 
     @property
     def key(self) -> str:
         return self.info.key
+
+    @staticmethod
+    def caller_cwd() -> str | None:
+        """``os.getcwd()``, or ``None`` where the folder is gone. Cheap: one system call."""
+        try:
+            return os.getcwd()
+        except OSError:
+            return None
+
+    @staticmethod
+    def caller_environ() -> dict[str, str]:
+        """A copy of the ``POCL_*`` environment variables (what :func:`~asyncclcache.keys.code_settings`
+        reads). Cheap: one pass over ``os.environ``."""
+        return {k: v for k, v in os.environ.items() if k.startswith("POCL_")}
 
 
 @dataclass(frozen=True)
@@ -116,8 +140,9 @@ class Hit:
     before building (then the caller builds from source). ``used`` is False when a
     program was built but the entry's content was not what the driver used (kcache: pocl
     computed another folder); ``why`` says why not. ``blame_entry`` is False when our own
-    I/O failed, not the entry (kcache: pocl's cache could not be written): then the entry
-    is kept and the build counts as a plain miss.
+    I/O failed, not the entry (kcache: pocl's cache could not be written), or the cause
+    may be a setting (kcache: pocl did not use the restored folder): then the entry is
+    kept and the build counts as a plain miss; ``rejected`` counts the latter.
     """
 
     program: Any
@@ -125,6 +150,7 @@ class Hit:
     why: str = ""
     folders: tuple[str, ...] = ()
     blame_entry: bool = True
+    rejected: bool = False
 
 
 class Driver(ABC):

@@ -1,43 +1,56 @@
 """Strategy ``kcache``: store pocl's own kernel-cache folder of a program, not a binary.
 
 pocl keeps each program it builds at ``<POCL_CACHE_DIR>/<XX>/<hash>/``: ``program.bc``,
-``last_accessed`` and ``<kernel>/<variant>/<kernel>.so`` for every variant launched.
-Every build of the program touches ``last_accessed`` (docs/design.md F15). That folder,
-put into an empty kernel cache on a new node, is used as it is: the build skips the
-front end and the first launch compiles nothing (F16). So nothing is compiled for
-the cache at all: no binary query, no generic variant, no helper.
+``last_accessed`` and ``<kernel>/<variant>/<kernel>.so`` (``.so.o`` on pocl's JIT) for
+every variant launched. Every build of the program touches ``last_accessed``
+(docs/design.md F15). That folder, put into an empty kernel cache on a new node, is used
+as it is: the build skips the front end and the first launch compiles nothing (F16). So
+nothing is compiled for the cache at all: no binary query, no generic variant, no helper.
 
-* **Identify** (background thread, right after the build): the folders whose
-  ``last_accessed`` moved inside the build's time window. Other builds (threads, ranks
-  sharing pocl's cache) move theirs too. At the snapshot the kernel folders that the
-  launches made, and how close each touch was to the end of our build, narrow the set
-  (:func:`choose`); a few candidates may stay. A folder that is not ours is harmless:
-  pocl only uses a folder under the name it computes, and the hit checks which it used.
+* **Identify** (background thread): the folder whose ``last_accessed`` moved inside the
+  build's window. Windows are in the file system's own time base (:class:`FsClock`,
+  measured on a file we touch there), never ``time.time()`` against a file's stamp:
+  caches live on NFS and Lustre, with coarse stamps and skewed clocks. Other builds
+  move theirs too (threads, ranks sharing pocl's cache): a folder with kernels the
+  program lacks, or owned by another user, is not ours; a touch long before our
+  build's end was another build's (:func:`choose`). Exactly one folder per kind of
+  device, or nothing is stored (counted ``unidentified``): when in doubt, miss.
 * **Snapshot**: the folder's files, once every kernel has a variant compiled since the
   build (the first launches), else after :data:`SETTLE_SECONDS`, at a step's end or at
-  ``flush()``.
+  ``flush()``. Only files of ours, bounded in size (:func:`folder_files`).
 * **Hit**: write the missing files into pocl's cache (temp file + link, never over
-  an existing file, never through a link), do the plain source build, and check
-  that pocl touched the folder. If it did not, the caller rejects the entry.
-* **Refresh**: compare file names; rewrite only when a folder gained a file.
+  an existing file, never through a link, never into a folder of another user), do
+  the plain source build, and check that pocl touched the folder: ``last_accessed``
+  appeared or changed (no clock involved; :func:`mark` first sets an existing one
+  back). If it did not, what we wrote is removed and the build is a plain miss. The
+  entry is kept, since the cause may be a setting (pocl's cache elsewhere or off);
+  this run's own snapshot replaces it where pocl did write a folder for it.
+* **Refresh**: compare file names; rewrite only when the folder gained a file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import logging
 import os
+import pwd
 import secrets
+import stat
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import pocl_env
 from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
 from ..entry import valid_kcache_file as valid_file
-from ..fileio import CLOEXEC, NOFOLLOW
+from ..errors import BinaryRejectedWarning
+from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError
 from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
 
 if TYPE_CHECKING:
@@ -45,60 +58,180 @@ if TYPE_CHECKING:
     from ..entry import Entry
 
 __all__ = [
+    "FsClock",
     "KcacheDriver",
+    "Placed",
     "candidates",
     "choose",
     "find_folders",
     "folder_files",
     "kernel_cache_dir",
+    "mark",
+    "moved",
     "restore",
-    "touched",
+    "unrestore",
+    "untrusted",
     "valid_file",
 ]
 
 logger = logging.getLogger(__name__)
 
 LAST_ACCESSED = "last_accessed"
-#: File timestamps come from a coarse clock that lags ``time.time()`` by up to a tick.
-SLACK = 0.05
-#: More candidate folders than this for one build: give up on it (counted).
-MAX_CANDIDATES = 4
-#: Touches this much further from the end of our build than the closest one are others'.
+#: A fine-grained file system's stamps come from the kernel's coarse clock (a jiffy).
+FINE_TICK = 0.05
+#: Margin on every window: the clock may drift between two measurements.
+EPS = 0.02
+#: Touches this much (plus a tick) before the end of our build belong to other builds.
 CLOSE = 0.05
 #: Outside a step, snapshot at the latest this long after the build.
 SETTLE_SECONDS = 3.0
 POLL_SECONDS = 0.2
 #: At most one walk of every folder of pocl's cache this often (a large cache: many stats).
 FULL_SCAN_SECONDS = 1.0
+#: The file system's clock is measured again this often (NFS servers drift).
+CLOCK_SECONDS = 60.0
+#: What one entry may hold: pocl's files of one program are far below these.
+MAX_FILE_BYTES = 256 << 20
+MAX_ENTRY_BYTES = 1 << 30
+MAX_FILES = 4096
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC
 
 
 def kernel_cache_dir() -> Path | None:
-    """pocl's kernel cache directory, as pocl finds it (``POCL_CACHE_DIR``, else the
-    XDG cache home's ``pocl/kcache``); ``None`` when pocl's cache is off.
+    """pocl's kernel cache directory, as pocl finds it; ``None`` when pocl's cache is off
+    (:func:`asyncclcache.pocl_env.kernel_cache_dir`)."""
+    return pocl_env.kernel_cache_dir()
 
-    Parsed as pocl parses it: ``POCL_KERNEL_CACHE`` unset means on, and only ``1``,
-    ``yes``, ``true`` or ``on`` mean on when set. When in doubt, off (strategy
-    ``process`` then, which does not depend on pocl's cache)."""
-    flag = os.environ.get("POCL_KERNEL_CACHE")
-    if flag is not None and flag.strip().lower() not in ("1", "yes", "true", "on"):
-        return None
-    if "POCL_CACHE_DIR" in os.environ:
-        given = os.environ["POCL_CACHE_DIR"]
-        return Path(given) if given.strip() else None
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "pocl" / "kcache"
+
+# {{{ trust: what of pocl's cache may become an entry, or be written into
+
+_private_groups: dict[int, bool] = {}
+
+
+def _private_group(gid: int) -> bool:
+    # A user-private group (umask 002 setups): only we are in it, so its write bit is ours.
+    if gid not in _private_groups:
+        try:
+            g = grp.getgrgid(gid)
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            _private_groups[gid] = gid == os.getegid() and set(g.gr_mem) <= {me} and g.gr_name == me
+        except (KeyError, OSError):
+            _private_groups[gid] = False
+    return _private_groups[gid]
+
+
+def untrusted(st: os.stat_result) -> str | None:
+    """Why a file or directory of pocl's cache with this ``lstat``/``fstat`` must not be
+    stored or written into, or ``None``: another owner, writable by others (or by a
+    group that is not our private one), a link, a hard link, not a file or directory."""
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}"
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return "not a regular file or directory"
+    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid)):
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        return f"has {st.st_nlink} hard links"
+    return None
+
+
+def _trusted_dir(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and untrusted(st) is None
+
+
+# }}}
+
+# {{{ the file system's clock
+
+
+class FsClock:
+    """The time base of the file system under ``root`` against ``time.time()``.
+
+    Measured on a file we create there (as pocl creates and truncates
+    ``last_accessed``): the stamp's tick (whole seconds on Lustre, ext4 with 128-byte
+    inodes, FAT; a jiffy elsewhere) and bounds of the skew (an NFS server's clock).
+    Until measured, and where it cannot be, it assumes the worst (2 s ticks, 2 s skew):
+    windows are wider, never wrong. Thread-safe.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tick = 2.0
+        self.skew = (-2.0, 2.0)
+        self.measured_at: float | None = None  # time.monotonic()
+        self._lock = threading.Lock()
+
+    def measure(self, samples: int = 3) -> bool:
+        """Measure now (disk I/O: background threads only); False if it could not."""
+        got: list[tuple[float, float, int]] = []
+        try:
+            rootfd = os.open(self.root, _O_DIR)
+        except OSError:
+            return False
+        try:
+            for _ in range(samples):
+                name = f"{TMP_PREFIX}clock-{secrets.token_hex(6)}"
+                t0 = time.time()
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o600,
+                             dir_fd=rootfd)
+                os.close(fd)
+                t1 = time.time()
+                try:
+                    st = os.stat(name, dir_fd=rootfd, follow_symlinks=False)
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=rootfd)
+                got.append((t0, t1, st.st_mtime_ns))
+        except OSError:
+            return False
+        finally:
+            os.close(rootfd)
+        whole = all(m % 1_000_000_000 == 0 for _, _, m in got)
+        tick = (2.0 if all(m % 2_000_000_000 == 0 for _, _, m in got) else 1.0) if whole else FINE_TICK
+        # stamp m = T_fs rounded down to a tick, T_fs = T_local + skew, t0 <= T_local <= t1
+        lo = max(m / 1e9 - t1 for t0, t1, m in got)
+        hi = min(m / 1e9 + tick - t0 for t0, t1, m in got)
+        with self._lock:
+            self.tick = tick
+            self.skew = (min(lo, hi), max(lo, hi))
+            self.measured_at = time.monotonic()
+        return True
+
+    def due(self) -> bool:
+        """Not measured yet, or not for :data:`CLOCK_SECONDS`."""
+        return self.measured_at is None or time.monotonic() - self.measured_at > CLOCK_SECONDS
+
+    def since(self, t: float) -> float:
+        """The smallest stamp a touch at or after local time ``t`` can have."""
+        with self._lock:
+            return t + self.skew[0] - self.tick - EPS
+
+    def until(self, t: float) -> float:
+        """The largest stamp a touch at or before local time ``t`` can have."""
+        with self._lock:
+            return t + self.skew[1] + EPS
+
+
+# }}}
+
+# {{{ finding a build's folder
 
 
 def _program_folders(root: Path, new_since: float | None = None) -> Iterator[tuple[str, float]]:
-    """``(XX/hash, mtime of last_accessed)`` of every program folder: one walk of two levels.
+    """``(XX/hash, stamp of last_accessed)`` of every program folder: one walk of two levels.
 
-    With ``new_since``, only folders created or changed since then, found without a stat
-    per folder: a new folder changes its ``XX`` directory's mtime, a touch does not.
+    With ``new_since`` (a stamp), only folders created or changed since then, found
+    without a stat per folder: a new folder changes its ``XX`` directory's stamp, a
+    touch does not.
     """
     try:
-        tops = list(os.scandir(root))
+        with os.scandir(root) as it:
+            tops = list(it)
     except OSError:
         return
     for top in tops:
@@ -107,7 +240,8 @@ def _program_folders(root: Path, new_since: float | None = None) -> Iterator[tup
                 continue
             if new_since is not None and top.stat(follow_symlinks=False).st_mtime < new_since:
                 continue
-            programs = list(os.scandir(top.path))
+            with os.scandir(top.path) as it:
+                programs = list(it)
         except OSError:
             continue
         for p in programs:
@@ -122,7 +256,8 @@ def _program_folders(root: Path, new_since: float | None = None) -> Iterator[tup
 
 def _kernel_dirs(root: Path, folder: str) -> set[str] | None:
     try:
-        return {e.name for e in os.scandir(root / folder) if e.is_dir(follow_symlinks=False)}
+        with os.scandir(root / folder) as it:
+            return {e.name for e in it if e.is_dir(follow_symlinks=False)}
     except OSError:
         return None
 
@@ -130,8 +265,9 @@ def _kernel_dirs(root: Path, folder: str) -> set[str] | None:
 def candidates(
     root: Path, windows: Sequence[tuple[float, float]], *, new_only: bool = False
 ) -> list[tuple[tuple[str, float], ...]]:
-    """For each build window ``(t0, t1)``, the folders touched in it, with the touch time
-    (one scan for all). Touched later only (the same program built again since): those.
+    """For each window ``(lo, hi)`` of stamps (:class:`FsClock`), the folders touched in
+    it, with the stamp (one scan for all). None inside: those touched later (the same
+    program built again since).
 
     ``new_only``: look at folders created or changed since the oldest window only (cheap
     on a large kernel cache); a build that pocl served from an older folder needs the
@@ -139,51 +275,52 @@ def candidates(
     """
     if not windows:
         return []
-    oldest = min(w[0] for w in windows) - SLACK
-    folders = _program_folders(root, oldest if new_only else None)
-    seen = [(rel, m) for rel, m in folders if m >= oldest]
+    oldest = min(w[0] for w in windows)
+    seen = [(rel, m) for rel, m in _program_folders(root, oldest if new_only else None) if m >= oldest]
     out = []
-    for t0, t1 in windows:
-        inside = [(rel, m) for rel, m in seen if t0 - SLACK <= m <= t1 + SLACK]
-        out.append(tuple(inside or [(rel, m) for rel, m in seen if m >= t0 - SLACK]))
+    for lo, hi in windows:
+        inside = [(rel, m) for rel, m in seen if lo <= m <= hi]
+        out.append(tuple(inside or [(rel, m) for rel, m in seen if m >= lo]))
     return out
 
 
 def choose(
-    root: Path,
-    found: Sequence[tuple[str, float]],
-    built_to: float,
-    kernels: Sequence[str],
-    built_from: float | None = None,
+    root: Path, found: Sequence[tuple[str, float]], kernels: Sequence[str], end: float,
+    tick: float, most: int = 1,
 ) -> tuple[str, ...]:
-    """Narrow a build's candidate folders to the few that can be its own; ``()`` if none or
-    too many are left (then nothing is stored).
+    """The build's own folder(s) among its candidates ``found``; ``()`` when none, or more
+    than ``most`` (one per kind of device) are left: then nothing is stored.
 
+    * A folder of another user, or one whose ``XX`` parent is, is never ours.
     * A launch makes ``<kernel>/`` folders: a folder with kernels the program lacks is
-      another program's. Where some folders gained a variant since ``built_from`` (our
-      launches did that), the others are not ours. (Same names: timing decides.)
-    * pocl touches ``last_accessed`` as the build returns: touches much earlier than the
-      end of our build belong to builds that ran meanwhile.
+      another program's.
+    * pocl touches ``last_accessed`` as the build returns: a touch well before ``end``
+      (the stamp of the build's end, :meth:`FsClock.until`) was a build that ran meanwhile.
+      The touch closest to our build's end is never dropped.
     """
     names = set(kernels)
     pool = []
-    launched = []
     for f, m in found:
+        if not (_trusted_dir(root / f.split("/")[0]) and _trusted_dir(root / f)):
+            continue
         dirs = _kernel_dirs(root, f)
         if dirs is not None and dirs <= names:
             pool.append((f, m))
-            if built_from is not None and any(_new_variant(root / f / k, k, built_from) for k in dirs):
-                launched.append((f, m))
-    pool = launched or pool
-    if not pool:
-        return ()
-    if all(m <= built_to + SLACK for _, m in pool):
-        best = min(built_to - m for _, m in pool)
-        pool = [(f, m) for f, m in pool if built_to - m <= best + CLOSE]
-    return tuple(sorted(f for f, _ in pool)) if len(pool) <= MAX_CANDIDATES else ()
+    near = [(f, m) for f, m in pool if m >= end - 2 * tick - CLOSE]
+    pool = near or pool
+    return tuple(sorted(f for f, _ in pool)) if 0 < len(pool) <= most else ()
 
 
-def find_folders(root: Path, jobs: Sequence[Job]) -> None:
+def _most(job: Job) -> int:
+    # Devices of one kind share a folder; several kinds, one folder each.
+    return max(1, len({tuple(sorted(d.items())) for d in job.info.devices}))
+
+
+_clocks: dict[Path, FsClock] = {}
+_clocks_lock = threading.Lock()
+
+
+def find_folders(root: Path, jobs: Sequence[Job], clock: FsClock | None = None) -> None:
     """Set ``job.folders`` for the jobs that lack one, now, in this thread: new folders
     first, a walk of every folder only if some job found none; then :func:`choose`.
     ``()``: not found. (The kcache driver does the same in its thread, batched and with the
@@ -191,19 +328,60 @@ def find_folders(root: Path, jobs: Sequence[Job]) -> None:
     todo = [j for j in jobs if j.folders is None and j.built_to]
     if not todo:
         return
-    windows = [(j.built_from, j.built_to) for j in todo]
+    if clock is None:
+        with _clocks_lock:
+            clock = _clocks.setdefault(root, FsClock(root))
+        if clock.due():
+            clock.measure()
+    windows = [(clock.since(j.built_from), clock.until(j.built_to)) for j in todo]
     found = candidates(root, windows, new_only=True)
     if not all(found):
         found = candidates(root, windows)
     for job, cands in zip(todo, found, strict=True):
-        job.folders = choose(root, cands, job.built_to, job.kernels, job.built_from)
+        job.folders = choose(root, cands, job.kernels, clock.until(job.built_to), clock.tick, _most(job))
+
+
+def ready(root: Path, folders: Sequence[str], kernels: Sequence[str], since: float) -> bool:
+    """Every kernel of the program has a variant compiled at or after stamp ``since`` in
+    one of ``folders`` (the first launches are done; older variants were there before)."""
+    if not kernels:
+        return False
+    for folder in folders:
+        have = _kernel_dirs(root, folder) or set()
+        if all(k in have and _new_variant(root / folder / k, since) for k in kernels):
+            return True
+    return False
+
+
+def _new_variant(kdir: Path, since: float) -> bool:
+    # Any file of a variant folder: pocl names the compiled one <kernel>.so, and on its
+    # JIT (pocl 7.2) <kernel>.so.o; nothing here depends on the name.
+    try:
+        with os.scandir(kdir) as variants:
+            for v in variants:
+                with contextlib.suppress(OSError), os.scandir(v.path) as files:
+                    for f in files:
+                        if f.stat(follow_symlinks=False).st_mtime >= since:
+                            return True
+    except OSError:
+        pass
+    return False
+
+
+# }}}
+
+# {{{ snapshot
 
 
 def _walk(root: Path, folder: str) -> Iterator[tuple[str, str]]:
-    """``(relative path, absolute path)`` of the folder's regular files, no links followed."""
+    """``(relative path, absolute path)`` of the folder's regular files, no links
+    followed. Raises :class:`InsecurePathError` at a directory we must not trust."""
     stack = [folder]
     while stack:
         rel_dir = stack.pop()
+        why = untrusted(os.lstat(root / rel_dir))
+        if why is not None:
+            raise InsecurePathError(f"{rel_dir} in pocl's kernel cache is {why}")
         with os.scandir(root / rel_dir) as it:
             for e in it:
                 rel = f"{rel_dir}/{e.name}"
@@ -222,44 +400,48 @@ def listing(root: Path, folders: Sequence[str]) -> frozenset[str]:
     return frozenset(out)
 
 
-def ready(root: Path, folders: Sequence[str], kernels: Sequence[str], since: float) -> bool:
-    """Every kernel of the program has a variant compiled at or after ``since`` in one of
-    ``folders`` (the first launches are done; older variants were there before)."""
-    if not kernels:
-        return False
-    for folder in folders:
-        have = _kernel_dirs(root, folder) or set()
-        if all(k in have and _new_variant(root / folder / k, k, since) for k in kernels):
-            return True
-    return False
-
-
-def _new_variant(kdir: Path, kernel: str, since: float) -> bool:
-    try:
-        for v in os.scandir(kdir):
-            with contextlib.suppress(OSError):
-                if os.stat(os.path.join(v.path, f"{kernel}.so")).st_mtime >= since - SLACK:
-                    return True
-    except OSError:
-        pass
-    return False
+def _read_trusted(path: str, budget: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK | CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        why = untrusted(st)
+        if why is not None or not stat.S_ISREG(st.st_mode):
+            raise InsecurePathError(f"{path} is {why or 'not a regular file'}")
+        if st.st_size > min(MAX_FILE_BYTES, budget):
+            raise Lost(f"{path} is too large for an entry ({st.st_size} bytes)")
+        data = f.read(st.st_size + 1)
+    if len(data) != st.st_size:
+        raise OSError(errno.EAGAIN, f"{path} changed while it was read")
+    return data
 
 
 def folder_files(root: Path, folders: Sequence[str]) -> Snapshot:
     """Read every file of ``folders`` (pocl renames its files into place: never partial).
 
-    A folder removed under us is left out; :class:`Lost` if none is left.
+    Only what we may trust (:func:`untrusted`) and at most :data:`MAX_FILES` files and
+    :data:`MAX_ENTRY_BYTES`; a folder that breaks a rule is left out, as is one removed
+    under us. :class:`Lost` if none is left.
     """
     files: list[str] = []
     blobs: list[bytes] = []
     kept: list[str] = []
+    why = "is gone"
+    budget = MAX_ENTRY_BYTES
     for folder in folders:
         try:
-            data = []
+            if not _trusted_dir(root / folder.split("/")[0]):
+                raise InsecurePathError(f"{folder.split('/')[0]} in pocl's kernel cache is not ours")
+            data: list[tuple[str, bytes]] = []
             for rel, path in list(_walk(root, folder)):
-                fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
-                with os.fdopen(fd, "rb") as f:
-                    data.append((rel, f.read()))
+                if len(files) + len(data) >= MAX_FILES:
+                    raise Lost(f"more than {MAX_FILES} files")
+                blob = _read_trusted(path, budget)
+                budget -= len(blob)
+                data.append((rel, blob))
+        except (InsecurePathError, Lost) as e:
+            why = f"was refused: {e}"
+            logger.warning("asyncclcache: not storing pocl's kernel-cache folder %s: %s", folder, e)
+            continue
         except OSError:
             continue  # removed or replaced meanwhile
         if not any(rel.endswith("/program.bc") for rel, _ in data):
@@ -269,30 +451,58 @@ def folder_files(root: Path, folders: Sequence[str]) -> Snapshot:
             files.append(rel)
             blobs.append(blob)
     if not kept:
-        raise Lost(f"pocl's kernel-cache folder {', '.join(folders)} is gone")
+        raise Lost(f"pocl's kernel-cache folder {', '.join(folders)} {why}")
     return Snapshot(blobs, files, kept)
 
 
-def _open_dir(parent: int, name: str) -> int:
+# }}}
+
+# {{{ restore, and whether pocl used it
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What :func:`restore` wrote, so that an unused restore can be taken back."""
+
+    files: tuple[tuple[str, int], ...] = ()  # (relative path, inode)
+    dirs: tuple[str, ...] = ()  # directories it made, deepest last
+
+    @property
+    def count(self) -> int:
+        return len(self.files)
+
+
+def _open_dir(parent: int, name: str, made: list[str], rel: str) -> int:
     try:
-        return os.open(name, _O_DIR, dir_fd=parent)
+        fd = os.open(name, _O_DIR, dir_fd=parent)
     except FileNotFoundError:
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(name, 0o700, dir_fd=parent)
-        return os.open(name, _O_DIR, dir_fd=parent)
+            made.append(rel)
+        except FileExistsError:
+            pass
+        fd = os.open(name, _O_DIR, dir_fd=parent)
+    why = untrusted(os.fstat(fd))
+    if why is not None:
+        os.close(fd)
+        raise InsecurePathError(f"{rel} in pocl's kernel cache is {why}")
+    return fd
 
 
-def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> int:
-    """Write the ``files`` missing under ``root``; returns how many were written.
+def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> Placed:
+    """Write the ``files`` missing under ``root``; returns what was written.
 
     Each file is a temp file hard-linked into place, so pocl never reads half a file
     and an existing file (pocl's own, or a racing writer's) is never replaced. No link
-    below ``root`` is followed. Raises ``OSError`` (the caller builds from source).
+    below ``root`` is followed, nothing is written into a directory of another user
+    (:class:`~asyncclcache.fileio.InsecurePathError`). Raises ``OSError`` (the caller
+    builds from source); what was written before the error is taken back.
     """
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | CLOEXEC)
     dirs: dict[str, int] = {"": rootfd}
-    written = 0
+    made: list[str] = []
+    placed: list[tuple[str, int]] = []
     try:
         for rel, blob in zip(files, blobs, strict=True):
             if not valid_file(rel):
@@ -302,7 +512,7 @@ def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> int:
             for part in parents:
                 child = f"{path}/{part}" if path else part
                 if child not in dirs:
-                    dirs[child] = _open_dir(dirs[path], part)
+                    dirs[child] = _open_dir(dirs[path], part, made, child)
                 path = child
             dfd = dirs[path]
             try:
@@ -310,60 +520,92 @@ def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> int:
                 continue  # there already: never overwrite what pocl wrote
             except FileNotFoundError:
                 pass
-            written += _place(dfd, name, blob)
+            ino = _place(dfd, name, blob)
+            if ino is not None:
+                placed.append((rel, ino))
+    except BaseException:
+        unrestore(root, Placed(tuple(placed), tuple(made)))
+        raise
     finally:
         for fd in dirs.values():
             os.close(fd)
-    return written
+    return Placed(tuple(placed), tuple(made))
 
 
-def _place(dfd: int, name: str, blob: bytes) -> int:
+def _place(dfd: int, name: str, blob: bytes) -> int | None:
     tmp = TMP_PREFIX + secrets.token_hex(8)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
+            ino = os.fstat(f.fileno()).st_ino
         try:
             os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
         except FileExistsError:
-            return 0  # written meanwhile (pocl or another process): keep theirs
+            return None  # written meanwhile (pocl or another process): keep theirs
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
                 raise
             # No hard links here: a rename, after one more look (a tiny race, same content).
             try:
                 os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                return 0
+                return None
             except FileNotFoundError:
                 os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                return 1
-        return 1
+        return ino
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dfd)
 
 
-def touched(root: Path, folders: Sequence[str], since: float) -> tuple[str, ...]:
-    """The ``folders`` whose ``last_accessed`` pocl touched at or after ``since``."""
-    out = []
-    for folder in folders:
-        try:
-            m = os.stat(root / folder / LAST_ACCESSED, follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        if m >= since - SLACK:
-            out.append(folder)
-    return tuple(out)
+def unrestore(root: Path, placed: Placed) -> None:
+    """Remove what :func:`restore` wrote (the same files: same inode) and the directories
+    it made, where they are empty. Never raises."""
+    for rel, ino in placed.files:
+        path = root / rel
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_ino == ino:
+                os.unlink(path)
+    for rel in reversed(placed.dirs):
+        with contextlib.suppress(OSError):
+            os.rmdir(root / rel)  # only if empty: pocl may have written there meanwhile
 
 
-def entry_folders(files: Sequence[str]) -> list[str]:
-    """The program folders (``XX/hash``) that ``files`` belong to, in order."""
-    return list(dict.fromkeys("/".join(f.split("/")[:2]) for f in files))
+def mark(root: Path, folder: str) -> os.stat_result | None:
+    """Before a build: the stamp of the folder's ``last_accessed``, set back by a few
+    seconds first where it is ours, so that pocl's touch moves it even on a file system
+    with 1-second stamps. ``None`` if there is none (a new node: pocl creates it)."""
+    path = root / folder / LAST_ACCESSED
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if untrusted(st) is None:
+        with contextlib.suppress(OSError):
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - 4_000_000_000), follow_symlinks=False)
+            st = os.lstat(path)
+    return st
+
+
+def moved(root: Path, folder: str, before: os.stat_result | None) -> bool:
+    """After a build: did pocl touch the folder since :func:`mark` (no clock involved)?"""
+    try:
+        st = os.lstat(root / folder / LAST_ACCESSED)
+    except OSError:
+        return False
+    return before is None or (st.st_ino, st.st_mtime_ns) != (before.st_ino, before.st_mtime_ns)
+
+
+# }}}
 
 
 class KcacheDriver(Driver):
-    """Snapshots pocl's kernel-cache folders on one background thread. Thread-safe."""
+    """Snapshots pocl's kernel-cache folders on one background thread. Thread-safe.
+
+    ``root`` is pocl's kernel cache directory as pocl found it when it started
+    (:func:`asyncclcache.pocl_env.kernel_cache_dir`), fixed for the driver's life.
+    """
 
     name = "kcache"
     kind = "kcache"
@@ -373,6 +615,7 @@ class KcacheDriver(Driver):
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.clock = FsClock(root)
         self._cond = threading.Condition()
         self._identify: list[Job] = []
         # snapshots waiting for the program's first launches
@@ -381,8 +624,12 @@ class KcacheDriver(Driver):
         self._closed = False
         self._need_full: dict[int, Job] = {}  # jobs whose folder is not a new one
         self._last_full = -FULL_SCAN_SECONDS
+        #: ``flush()``/exit asked at this time: jobs built before it are due at once.
+        self._hurried_at = float("-inf")
+        self._warned: set[str] = set()
         self.scans = 0  # cheap walks of pocl's cache (new folders)
         self.full_scans = 0  # walks of every folder
+        self.unused = 0  # hits whose restored folder pocl did not use
 
     # {{{ caller's threads
 
@@ -396,11 +643,12 @@ class KcacheDriver(Driver):
 
     def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
         now = time.time()
-        due = max(job.built_to, now) + SETTLE_SECONDS if purpose is Purpose.SNAPSHOT else now
         with self._cond:
             if self._closed:
                 done(None, Dropped("kcache driver closed"))
                 return
+            settle = purpose is Purpose.SNAPSHOT and job.built_to > self._hurried_at
+            due = max(job.built_to, now) + SETTLE_SECONDS if settle else now
             self._waiting.append(_Wait(job, done, due))
             self._start()
             self._cond.notify()
@@ -408,6 +656,9 @@ class KcacheDriver(Driver):
     def hurry(self) -> None:
         now = time.time()
         with self._cond:
+            # Also for fetches still on their way (a claim on a writer thread): at exit a
+            # settle wait would hold the process for SETTLE_SECONDS.
+            self._hurried_at = now
             self._last_full = -FULL_SCAN_SECONDS
             for w in self._waiting:
                 w.due = min(w.due, now)
@@ -424,19 +675,32 @@ class KcacheDriver(Driver):
     def build_from_entry(self, entry: Entry, source: SourceBuild) -> Hit:
         files = list(entry.meta.files or [])
         folders = entry_folders(files)
-        since = time.time()
+        marks = {f: mark(self.root, f) for f in folders}
         try:
-            restore(self.root, files, entry.binaries)
+            placed = restore(self.root, files, entry.binaries)
         except (OSError, ValueError) as e:
-            # Our I/O failed, not the entry: build from source without restoring.
-            logger.warning("asyncclcache: could not restore pocl's kernel cache: %s", e)
+            # Our I/O failed, or pocl's cache holds what we must not write into: not the
+            # entry's fault. Build from source without restoring.
+            self._warn_once("restore", f"could not restore pocl's kernel cache ({e}); built from source")
             return Hit(source.build(), False, f"restore failed: {e}", (), blame_entry=False)
-        program = source.build()
-        # Devices of one kind share a folder, so one touched folder may serve them all.
-        used = touched(self.root, folders, since)
-        if not used:
-            return Hit(program, False, "pocl computed another kernel-cache folder", ())
-        return Hit(program, True, "", used)
+        try:
+            program = source.build()
+        except BaseException:
+            unrestore(self.root, placed)
+            raise
+        used = tuple(f for f in folders if moved(self.root, f, marks[f]))
+        if used:
+            return Hit(program, True, "", used)
+        unrestore(self.root, placed)
+        self.unused += 1
+        self._warn_once(
+            "unused",
+            f"pocl did not use the stored kernel-cache files of {entry.key[:12]} (pocl's kernel "
+            f"cache is not {self.root}, or is off, or pocl computed another folder); built from "
+            "source. The entry is kept; this run's snapshot replaces it where pocl wrote one",
+        )
+        return Hit(program, False, "pocl did not use the restored kernel-cache folder", (),
+                   blame_entry=False, rejected=True)
 
     def close(self, timeout: float | None = None) -> None:
         with self._cond:
@@ -449,6 +713,14 @@ class KcacheDriver(Driver):
             w.done(None, Dropped("dropped at close"))
         if thread is not None:
             thread.join(timeout if timeout is not None else 5.0)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        with self._cond:
+            if what in self._warned:
+                logger.info("asyncclcache: %s", message)
+                return
+            self._warned.add(what)
+        warnings.warn(f"asyncclcache: {message}", BinaryRejectedWarning, stacklevel=5)
 
     # }}}
 
@@ -470,39 +742,42 @@ class KcacheDriver(Driver):
                 todo, self._identify = self._identify, []
                 todo += [w.job for w in self._waiting]
             t0 = time.thread_time()
+            if self.clock.due():
+                self.clock.measure()
             self._scan(todo)
-            ready = self._take_ready()
-            snaps: list[tuple[Done, Snapshot | None, BaseException | None]] = []
-            for job, done in ready:
-                try:
-                    if job.candidates is not None:
-                        # Again at every snapshot: launches since narrow the choice.
-                        job.folders = choose(
-                            self.root, job.candidates, job.built_to, job.kernels, job.built_from
-                        )
-                        if not job.folders and not job.scanned_all:
-                            # Only others' new folders: ours is an older one. Look at all.
-                            job.candidates = None
-                            self._need_full[id(job)] = job
-                            with self._cond:
-                                self._waiting.append(_Wait(job, done, time.time()))
-                            continue
-                    if not job.folders:
-                        raise Lost("pocl's kernel-cache folder of this build could not be identified")
-                    snap = folder_files(self.root, job.folders)
-                except BaseException as e:  # noqa: BLE001 - reported through done
-                    snaps.append((done, None, e))
-                    continue
-                job.queried_at = time.time()
-                snaps.append((done, snap, None))
+            snaps = [self._snapshot(job, done) for job, done in self._take_ready()]
             if self.on_cpu is not None:
                 self.on_cpu(time.thread_time() - t0)
-            for report, result, error in snaps:
+            for report, result, error in (s for s in snaps if s is not None):
                 report(result, error)
+
+    def _snapshot(self, job: Job, done: Done) -> tuple[Done, Snapshot | None, BaseException | None] | None:
+        try:
+            if job.candidates is not None:
+                # Again at every snapshot: launches since narrow the choice.
+                job.folders = choose(self.root, job.candidates, job.kernels,
+                                     self.clock.until(job.built_to), self.clock.tick, _most(job))
+                if not job.folders and not job.scanned_all:
+                    # Only others' new folders: ours is an older one. Look at all.
+                    job.candidates = None
+                    self._need_full[id(job)] = job
+                    with self._cond:
+                        self._waiting.append(_Wait(job, done, time.time()))
+                    return None
+            if not job.folders:
+                raise Lost("pocl's kernel-cache folder of this build could not be identified")
+            snap = folder_files(self.root, job.folders)
+        except BaseException as e:  # noqa: BLE001 - reported through done
+            return done, None, e
+        job.queried_at = time.time()
+        return done, snap, None
 
     def _due(self) -> bool:
         now = time.time()
         return any(w.due <= now for w in self._waiting)
+
+    def _window(self, job: Job) -> tuple[float, float]:
+        return self.clock.since(job.built_from), self.clock.until(job.built_to)
 
     def _scan(self, jobs: list[Job]) -> None:
         # New folders first: cheap however large pocl's cache is. A build that pocl served
@@ -512,19 +787,20 @@ class KcacheDriver(Driver):
         fresh = [j for j in todo if id(j) not in self._need_full]
         if fresh:
             self.scans += 1
-            found = candidates(self.root, [(j.built_from, j.built_to) for j in fresh], new_only=True)
+            found = candidates(self.root, [self._window(j) for j in fresh], new_only=True)
             for job, cands in zip(fresh, found, strict=True):
                 if cands:
                     job.candidates = cands
                 else:
                     self._need_full[id(job)] = job
         now = time.monotonic()
-        if self._need_full and now - self._last_full >= FULL_SCAN_SECONDS:
+        hurried = any(j.built_to <= self._hurried_at for j in self._need_full.values())
+        if self._need_full and (hurried or now - self._last_full >= FULL_SCAN_SECONDS):
             full = list(self._need_full.values())
             self._need_full.clear()
             self._last_full = now
             self.full_scans += 1
-            found = candidates(self.root, [(j.built_from, j.built_to) for j in full])
+            found = candidates(self.root, [self._window(j) for j in full])
             for job, cands in zip(full, found, strict=True):
                 job.candidates = cands
                 job.scanned_all = True
@@ -546,13 +822,23 @@ class KcacheDriver(Driver):
         job = w.job
         if job.candidates is None and job.folders is None:
             return False  # not scanned yet
-        if w.due <= now:
+        if w.due <= now or not (job.candidates or job.folders):
             return True
-        folders = [f for f, _ in job.candidates] if job.candidates is not None else list(job.folders or ())
-        return not folders or ready(self.root, folders, job.kernels, job.built_from)
+        if job.candidates is not None:
+            # Only a folder that can be ours tells that our launches are done; an
+            # ambiguous choice may narrow once the launches made their kernel folders.
+            folders = choose(self.root, job.candidates, job.kernels, self.clock.until(job.built_to),
+                             self.clock.tick, _most(job))
+        else:
+            folders = job.folders or ()
+        return bool(folders) and ready(self.root, folders, job.kernels, self.clock.since(job.built_from))
 
     # }}}
 
+
+def entry_folders(files: Sequence[str]) -> list[str]:
+    """The program folders (``XX/hash``) that ``files`` belong to, in order."""
+    return list(dict.fromkeys("/".join(f.split("/")[:2]) for f in files))
 
 
 class _Wait:

@@ -6,6 +6,12 @@ and racing a launch it can abort pocl 3.1 (F13). So the main process never
 queries. A helper process, sharing ``POCL_CACHE_DIR`` through the inherited
 environment, builds the same source in a fresh program object and queries there
 (F4, F14). One client thread per helper feeds it one request at a time.
+
+Its binary is stored under the key the main process computed, so the helper builds
+as the caller did: in the caller's working directory at the build (relative ``-I``
+folders, quoted includes) and with the ``POCL_*`` settings the key holds. pocl keeps
+the first value it reads of a setting, so a helper whose settings differ from a job's
+is replaced by a fresh one started with the job's.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from ..keys import POCL_NOT_CODE
 from . import _wire
 from .base import Done, Driver, Dropped, Job, Purpose, Snapshot
 from .kcache import find_folders, kernel_cache_dir
@@ -89,9 +96,11 @@ def _newest_variant(root: Path, folders: Sequence[str]) -> float:
 
 
 # Lower the priority before anything is imported: starting Python and pyopencl is CPU
-# work too, and with one rank per core no core is idle for it.
+# work too, and with one rank per core no core is idle for it. Ctrl-C is the program's
+# (the helper has its own session too): the parent decides when the helper goes.
 _HELPER_BOOT = """
-import os, sys
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 try:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 except (AttributeError, OSError):
@@ -105,8 +114,23 @@ class HelperError(RuntimeError):
     """The helper process failed a request or died."""
 
 
+def _helper_env(pocl: Mapping[str, str]) -> dict[str, str]:
+    """The helper's environment: ours, with the job's ``POCL_*`` settings, and without
+    ``ASYNCCLCACHE_*`` (else it would install a cache in itself and print a summary)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ASYNCCLCACHE_", "POCL_"))}
+    env.update(pocl)
+    return env
+
+
+def _code_env(pocl: Mapping[str, str]) -> dict[str, str]:
+    # The settings that change generated code, as the key counts them (keys.code_settings).
+    return {k: v for k, v in pocl.items() if k not in POCL_NOT_CODE}
+
+
 class HelperDriver(Driver):
-    """Sends jobs to the helper process. Thread-safe; the helper starts on first need."""
+    """Sends jobs to the helper process. Thread-safe (one client thread talks to the
+    helper); one helper per driver, started on first need, replaced when a job's pocl
+    settings differ from its own, and gone with this process."""
 
     name = "process"
     needs_program = False
@@ -124,9 +148,11 @@ class HelperDriver(Driver):
         self.starts = 0  # helpers that said hello
         self.attempts = 0  # spawns tried (bounded by MAX_RESTARTS + 1)
         self.crashes = 0
+        self.replaced = 0  # helpers replaced for a job with other pocl settings
         self.requests = 0  # requests the helper answered
         self.helper_pid: int | None = None
         self.priority: str | None = None
+        self._code: dict[str, str] | None = None  # the running helper's code settings
 
     def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
         with self._lock:
@@ -142,7 +168,7 @@ class HelperDriver(Driver):
 
     # {{{ client thread
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self, pocl: Mapping[str, str]) -> subprocess.Popen[bytes]:
         # Requests and answers travel on pipes of their own, not stdin/stdout: output of
         # anything else in the helper (a sitecustomize that prints) cannot desynchronise it.
         req_r, req_w = os.pipe()
@@ -151,9 +177,13 @@ class HelperDriver(Driver):
             proc = subprocess.Popen(
                 [sys.executable, "-c", _HELPER_BOOT, str(req_r), str(ans_w)],
                 stdin=subprocess.DEVNULL,
-                env=dict(os.environ),  # same POCL_* settings, so pocl computes the same hash
+                # The job's POCL_* settings: pocl computes the same hash, compiles the same code.
+                env=_helper_env(pocl),
                 close_fds=True,
                 pass_fds=(req_r, ans_w),
+                # Out of the terminal's process group: a Ctrl-C is for the program only (the
+                # helper's parent watch still ends it with us).
+                start_new_session=True,
             )
         finally:
             os.close(req_r)
@@ -196,13 +226,34 @@ class HelperDriver(Driver):
                 done(Snapshot(binaries), None)
         self._stop_proc()
 
-    def _request(self, job: Job) -> list[bytes]:
+    def _helper_for(self, job: Job) -> subprocess.Popen[bytes]:
+        """A running helper with the job's code settings (client thread)."""
+        pocl = job.environ if job.environ is not None else Job.caller_environ()
+        code = _code_env(pocl)
         proc = self._proc
-        if proc is None or proc.poll() is not None:
+        if proc is not None and proc.poll() is None:
+            if code == self._code:
+                return proc
+            # pocl keeps the first value it reads of a setting: no change of the running
+            # helper's environment would reach its compiler. It is idle: kill, start afresh.
+            self._kill(proc)
+            self._proc = None
+            self.replaced += 1
+        else:
             if self.attempts > MAX_RESTARTS:
                 raise HelperError("helper process keeps failing; giving up for this process")
             self.attempts += 1
-            proc = self._proc = self._spawn()
+        self._code = None
+        proc = self._proc = self._spawn(pocl)
+        self._code = code
+        return proc
+
+    def _request(self, job: Job) -> list[bytes]:
+        if job.cwd is None:
+            # Relative include folders resolve there: no other folder builds the same code.
+            raise HelperError(f"the caller's working directory is unknown (gone?); "
+                              f"{job.key[:12]} is not rebuilt elsewhere")
+        proc = self._helper_for(job)
         root = kernel_cache_dir()
         if root is not None:
             # Before the helper builds it too (and touches its folder again): which folder
@@ -213,7 +264,7 @@ class HelperDriver(Driver):
         try:
             _wire.send(
                 req,
-                {"op": "binaries", "id": job.key, "devices": list(job.info.devices)},
+                {"op": "binaries", "id": job.key, "devices": list(job.info.devices), "cwd": job.cwd},
                 [job.source, job.options],
             )
             header, payloads = _wire.recv(ans, REQUEST_TIMEOUT)

@@ -1,15 +1,20 @@
-"""The helper process: ``python -m asyncclcache.drivers.pocl_helper``.
+"""The helper process, started by :class:`~.pocl.HelperDriver` as ``python -c`` (its
+``_HELPER_BOOT``, which calls :func:`main`) with the fds of its two pipes in argv.
 
 For each request it builds the given source and options on the given devices, in
-a fresh program object, and returns ``clGetProgramInfo(BINARIES)``. On pocl the
-first such query compiles the generic variant into pocl's kernel cache (the
-warm-up, docs/design.md F4); a later one packs every variant the main process has
-compiled since (the snapshot, F11, F14). It runs at the lowest CPU priority and
-exits when its parent does.
+a fresh program object, in the caller's working directory (the request's ``cwd``),
+and returns ``clGetProgramInfo(BINARIES)``. On pocl the first such query compiles
+the generic variant into pocl's kernel cache (the warm-up, docs/design.md F4); a
+later one packs every variant the main process has compiled since (the snapshot,
+F11, F14). Its environment holds the ``POCL_*`` settings of the jobs it serves
+(the driver starts another helper for other settings). It runs at the lowest CPU
+priority, in a session of its own with SIGINT ignored, and exits at EOF on its
+request pipe or when its parent is gone. One request at a time, one thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -33,7 +38,7 @@ def _lower_priority() -> str:
 
 
 def _watch_parent(parent: int) -> None:
-    # stdin EOF covers a clean exit; this covers a parent killed while we compile.
+    # The request pipe's EOF covers a clean exit; this covers a parent killed mid-compile.
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
@@ -66,6 +71,17 @@ class _Devices:
         return ctx, devices
 
 
+def _enter(cwd: object) -> None:
+    """Work in the caller's folder, where its relative ``-I`` folders and quoted includes
+    resolve as the key resolved them; a request without one fails (nothing is stored)."""
+    if not isinstance(cwd, str) or not cwd:
+        raise LookupError("the request names no working directory")
+    try:
+        os.chdir(cwd)
+    except OSError as e:
+        raise OSError(f"cannot enter the caller's working directory: {e}") from None
+
+
 def main() -> int:
     from asyncclcache.drivers import _wire
 
@@ -74,6 +90,9 @@ def main() -> int:
     inp = os.fdopen(int(sys.argv[1]), "rb")
     out = os.fdopen(int(sys.argv[2]), "wb")
     os.dup2(2, 1)
+    # Requests move the working directory: a relative import path ("" for ``-c``) must
+    # keep naming the folder it named at start-up, never the caller's.
+    sys.path[:] = [os.path.abspath(p) for p in sys.path]
     priority = _lower_priority()
     # The main process already showed the user its build's warnings.
     warnings.simplefilter("ignore")
@@ -96,6 +115,7 @@ def main() -> int:
         try:
             source, options = payloads
             ctx, devs = devices.find(header["devices"])
+            _enter(header.get("cwd"))
             prg = cl._cl._Program(ctx, source)
             prg.build(options, devs)
             binaries = program_binaries(prg, devs)
@@ -103,6 +123,10 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - reported to the parent
             _wire.send(out, {"id": header.get("id"), "ok": False, "error": f"{type(e).__name__}: {e}"})
             continue
+        finally:
+            # Between requests the helper pins no folder of the caller's.
+            with contextlib.suppress(OSError):
+                os.chdir("/")
         _wire.send(
             out,
             {"id": header.get("id"), "ok": True, "seconds": time.perf_counter() - t0},
