@@ -83,7 +83,7 @@ def test_ctrl_c_during_the_exit_flush_ends_the_process_as_python_does(cache_dir:
     assert code in (-signal.SIGINT, 128 + signal.SIGINT), (code, err)
     assert took < 10, f"exit took {took:.1f} s after the SIGINT\n{err}"
     assert "Exception ignored" not in err and "Traceback" not in err, err
-    assert err.count("asyncclcache: interrupted at exit: 1 pending entries dropped") == 1, err
+    assert err.count("asyncclcache: interrupted at exit: 1 pending entry dropped") == 1, err
     assert " hits, " not in err, err  # no summary line after an interrupt
     # Dropped, never half-written: no entry at all (a writer's temp file is swept later).
     store = Store(cache_dir, rank_local=False, create=False)

@@ -299,6 +299,180 @@ def test_edit_of_a_nested_header_with_a_comment_changes_the_key(cl_ctx: Any, inc
     assert _key(cl_ctx, INCLUDING, inc=[inc]) != before
 
 
+# {{{ lookup order and spellings (issue 18)
+
+
+def test_quote_include_in_a_header_looks_in_its_own_folder_first(
+    cl_ctx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "a.h").write_text('#include "b.h"\n#include <c.h>\n')
+    (tmp_path / "inc" / "b.h").write_text("#define B 2\n")
+    (tmp_path / "inc" / "c.h").write_text("#define C 2\n")
+    (tmp_path / "b.h").write_text("#define B 1\n")  # earlier on the path, but not for a.h's "b.h"
+    (tmp_path / "c.h").write_text("#define C 1\n")  # <c.h>: the path only, so this one
+    source = b'#include "a.h"\n'
+    deps = find_include_deps(source, [".", "inc"])
+    assert [d.path for d in deps] == [str((tmp_path / p).resolve()) for p in ("c.h", "inc/a.h", "inc/b.h")]
+    before = make_key(source, OPTIONS, cl_ctx.devices, [".", "inc"]).key
+    (tmp_path / "inc" / "b.h").write_text("#define B 3\n")
+    assert make_key(source, OPTIONS, cl_ctx.devices, [".", "inc"]).key != before
+
+
+def test_source_dir_comes_first_for_quote_includes_of_the_source(cl_ctx: Any, tmp_path: Path) -> None:
+    here, pocl = tmp_path / "here", tmp_path / "pocl"
+    here.mkdir()
+    pocl.mkdir()
+    (here / "h.h").write_text("#define H 1\n")
+    quoted, angled = b'#include "h.h"\n', b"#include <h.h>\n"
+
+    def key(source: bytes, source_dir: Path | None) -> Any:
+        return make_key(source, OPTIONS, cl_ctx.devices, [str(here)],
+                        source_dir=None if source_dir is None else str(source_dir))
+
+    plain = key(quoted, None)
+    # Nothing of that name there: the same key as without it (another node's own
+    # POCL_CACHE_DIR still shares the entry).
+    assert key(quoted, pocl).key == plain.key
+    (pocl / "h.h").write_text("#define H 2\n")
+    shadowed = key(quoted, pocl)
+    assert [d.path for d in shadowed.deps] == [str((pocl / "h.h").resolve())]
+    assert shadowed.uncertain is None and shadowed.key != plain.key
+    assert key(angled, pocl).deps == key(angled, None).deps  # <h.h>: the include path only
+    assert [d.path for d in key(quoted, None).deps] == [str((here / "h.h").resolve())]
+    # Only the source's own includes: a header's "h.h" looks next to that header.
+    (here / "outer.h").write_text('#include "h.h"\n')
+    deps = find_include_deps(b'#include <outer.h>\n', [str(here)], source_dir=str(pocl))
+    assert str((here / "h.h").resolve()) in [d.path for d in deps]
+
+
+def test_key_covers_the_include_rule(cl_ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Entries keyed under the old lookup (which could hash a file clang did not take) never match.
+    import asyncclcache.keys as keys
+
+    before = _key(cl_ctx)
+    monkeypatch.setattr(keys, "INCLUDE_RULE", keys.INCLUDE_RULE + 1)
+    assert _key(cl_ctx) != before
+
+
+def test_dotdot_through_a_missing_folder_is_not_a_match(tmp_path: Path) -> None:
+    # The OS (and clang) cannot open missing/../h.h; a realpath of it would be ./h.h.
+    (tmp_path / "h.h").write_text("#define H 1\n")
+    (tmp_path / "x" / "inc").mkdir(parents=True)
+    (tmp_path / "x" / "h.h").write_text("#define H 2\n")
+    deps = find_include_deps(b'#include "../h.h"\n', [str(tmp_path / "missing"), str(tmp_path / "x" / "inc")])
+    assert [d.path for d in deps] == [str((tmp_path / "x" / "h.h").resolve())]
+
+
+def test_cycle_through_dotdot_terminates(inc: Path) -> None:
+    (inc / "x").mkdir()
+    (inc / "x" / "a.h").write_text('#pragma once\n#include "../x/a.h"\n')
+    deps = find_include_deps(b'#include "x/a.h"\n', [str(inc)])
+    assert [os.path.basename(d.path) for d in deps] == ["a.h"]
+
+
+def test_header_reached_through_a_link_whose_includes_differ_is_uncertain(tmp_path: Path) -> None:
+    # clang may take a linked header's folder from either name: if that changes what its
+    # "b.h" is, no key can be sure.
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "a.h").write_text('#include "b.h"\n')
+    (tmp_path / "inc" / "a.h").symlink_to(tmp_path / "real" / "a.h")
+    (tmp_path / "real" / "b.h").write_text("#define B 1\n")
+    (tmp_path / "inc" / "b.h").write_text("#define B 2\n")
+    with pytest.raises(UncertainIncludes, match="links"):
+        find_include_deps(b'#include "a.h"\n', [str(tmp_path / "inc")])
+    (tmp_path / "inc" / "b.h").unlink()
+    (tmp_path / "inc" / "b.h").symlink_to(tmp_path / "real" / "b.h")  # the same file both ways
+    deps = find_include_deps(b'#include "a.h"\n', [str(tmp_path / "inc")])
+    assert sorted(d.path for d in deps) == [str((tmp_path / "real" / n).resolve()) for n in ("a.h", "b.h")]
+
+
+@pytest.mark.parametrize("text", [
+    b'%:include "hdr.h"\n',
+    b'??=include "hdr.h"\n',
+    b'  %:  include <hdr.h>\n',
+    b'#inc\\\r\nlude "hdr.h"\r\n',
+    b'#inc\\\n\rlude "hdr.h"\n',
+    b'#inc\\ \t \nlude "hdr.h"\n',
+    b'#inc\\\rlude "hdr.h"\r',
+    b'#inc??/\nlude "hdr.h"\n',
+    b'// CR line ends\r#include "hdr.h"\r',
+    b'int x;\r\n/* CRLF */\r\n#include "hdr.h"\r\n',
+    b'\xef\xbb\xbf#include "hdr.h"\n',
+    b'\f#\vinclude "hdr.h"\n',
+    b'/* one */ /* two */ # /* three */ include /* four */ "hdr.h" /* five\n */\n',
+    b'#include /* a comment\n across lines */ "hdr.h"\n',
+    b'/* a comment\n */ #include "hdr.h"\n',
+    b"#define X don't /* the quote runs to the line end: no comment\n#include \"hdr.h\"\n",
+    b'#error one /* closed */ on its line\n#include "hdr.h"\n',
+    b'// ??/\n#include "hdr.h"\n',  # a comment going on if ??/ is a splice: both ways counted
+], ids=lambda t: repr(t)[2:40])
+def test_include_spellings_the_preprocessor_sees(text: bytes, inc: Path) -> None:
+    (inc / "hdr.h").write_text("#define SCALE 2.0f\n")
+    deps = find_include_deps(text + SOURCE, [str(inc)])
+    assert [os.path.basename(d.path) for d in deps] == ["hdr.h"]
+
+
+@pytest.mark.parametrize("text", [
+    b'char *s = "#include <hdr.h>";\n',
+    b'/* #include "hdr.h" */\n',
+    b'// #include "hdr.h" \\\n#include "hdr.h"\n',  # the splice makes it one comment
+    b'int x; /* comment\n */ #include "hdr.h"\n',  # the # is not first on its line
+    b'// __has_include("hdr.h")\n',
+], ids=lambda t: repr(t)[2:40])
+def test_what_the_preprocessor_does_not_see(text: bytes) -> None:
+    assert scan_includes(text) == ((), False)
+
+
+@pytest.mark.parametrize("text", [
+    b'#include_next "hdr.h"\n',
+    b'#import "hdr.h"\n',
+    b'%:import <hdr.h>\n',
+    b'#inc\\\nlude_next <hdr.h>\n',
+    b'#if __has_include("opt.h")\n#endif\n',
+    b'#if defined(__has_include_next) && __has_include_next(<opt.h>)\n#endif\n',
+    b'#define HAS __has_inc\\\nlude("opt.h")\n',
+    b'#include <a/*b.h>\n',  # lexed as tokens where #if skips it: a comment
+    b'#include <a//b.h>\n',
+    b'#include <it\'s.h>\n',
+    b'#include "a\\b.h"\n',
+    b'#include ""\n',
+    b'#warning an unclosed /* comment\n#include "hdr.h"\n*/\n',
+    b'const char t[] = __TIME__;\n',
+    b'#include HDR\n',
+    b'#include ??/\n"hdr.h"\n',  # no name at all where ??/ is no trigraph
+], ids=lambda t: repr(t)[2:40])
+def test_what_cannot_be_known_is_uncertain(text: bytes, inc: Path) -> None:
+    (inc / "hdr.h").write_text("#define SCALE 2.0f\n")
+    assert scan_includes(text)[1] is True
+    with pytest.raises(UncertainIncludes):
+        find_include_deps(text, [str(inc)])
+    nested = inc / "nested.h"
+    nested.write_bytes(text)  # the same in a header
+    with pytest.raises(UncertainIncludes, match=r"nested\.h"):
+        find_include_deps(b'#include "nested.h"\n', [str(inc)])
+
+
+def test_has_include_makes_make_key_uncertain(cl_ctx: Any, inc: Path) -> None:
+    source = b'#if __has_include("opt.h")\n#define V 2\n#endif\n' + SOURCE
+    info = make_key(source, OPTIONS, cl_ctx.devices, [str(inc)])
+    assert info.uncertain is not None and "__has_include" in info.uncertain
+
+
+def test_edit_of_a_header_included_by_any_spelling_changes_the_key(cl_ctx: Any, inc: Path) -> None:
+    hdr = inc / "hdr.h"
+    for text in (b'%:include "hdr.h"\r\n', b'??=inc\\\r\nlude "hdr.h"\r'):
+        hdr.write_text("#define SCALE 2.0f\n")
+        before = _key(cl_ctx, text + SOURCE, inc=[inc])
+        hdr.write_text("#define SCALE 3.0f\n")
+        assert _key(cl_ctx, text + SOURCE, inc=[inc]) != before
+
+
+# }}}
+
+
 def test_pocl_settings_and_host_cpu_are_in_the_key(cl_ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     base = _key(cl_ctx)
     for var, value in (("POCL_EXTRA_BUILD_FLAGS", "-DV=2"), ("POCL_LLVM_CPU_NAME", "x86-64"),

@@ -505,8 +505,9 @@ def exit_interrupted() -> NoReturn:
     import sys
 
     dropped = sum(stats.pending for _, stats in _CLOSED)
+    what = "entry" if dropped == 1 else "entries"
     with suppress(Exception):
-        sys.stderr.write(f"asyncclcache: interrupted at exit: {dropped} pending entries dropped\n")
+        sys.stderr.write(f"asyncclcache: interrupted at exit: {dropped} pending {what} dropped\n")
     for stream in (sys.stdout, sys.stderr):
         with suppress(Exception):
             stream.flush()

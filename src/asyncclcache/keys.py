@@ -101,15 +101,16 @@ _ONE_LINE, _MULTI_LINE = b"\x01", b"\x02"
 # as to see too many directives rather than too few) control and non-ASCII bytes (a BOM).
 _SPACE = rb"[^\n!-~]*"
 # A directive: `#` or the digraph `%:` first on its line; group 1 its name, 2 the rest.
+# (Matched after a "\n" rather than at "^": a literal first byte is searched fast.)
 _DIRECTIVE_RE = re.compile(
-    rb"^" + _SPACE + rb"(?:\#|%:)" + _SPACE + rb"([A-Za-z_][A-Za-z0-9_]*)?([^\n]*)", re.MULTILINE
+    rb"\n" + _SPACE + rb"(?:\#|%:)" + _SPACE + rb"([A-Za-z_][A-Za-z0-9_]*)?([^\n]*)"
 )
 _HEADER_RE = re.compile(_SPACE + rb'(?:"([^"\n]*)"|<([^>\n]*)>)')
 # Not a plain file name: a control byte (a comment's marker among them: an angled name
 # lexed as tokens where skipped by #if), a quote, a backslash.
 _ODD_NAME_RE = re.compile(rb"""[\x00-\x1f\x7f\\"']""")
 # Depend on which files exist, or on the clock: no key can hold that.
-_UNKEYABLE_RE = re.compile(rb"__has_(?:include|embed)|\b__(?:DATE|TIME|TIMESTAMP)__\b")
+_UNKEYABLE_RE = re.compile(rb"__(?:has_include|has_embed|DATE__|TIME__|TIMESTAMP__)")
 _UNSUPPORTED = frozenset({b"include_next", b"import", b"embed"})
 
 
@@ -131,7 +132,7 @@ def _comment_to_marker(m: re.Match[bytes]) -> bytes:
 
 def _scan_one(text: bytes) -> _Scan:
     text = _EOL_RE.sub(b"\n", _SPLICE_RE.sub(b"", text))
-    code = _LEX_RE.sub(_comment_to_marker, text)
+    code = b"\n" + _LEX_RE.sub(_comment_to_marker, text)
     odd = _UNKEYABLE_RE.search(code)
     if odd is not None:
         return _Scan((), f"{odd.group(0).decode()} (the code depends on more than file contents)")
