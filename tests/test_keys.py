@@ -505,3 +505,12 @@ def test_extra_build_flags_never_share_an_entry(cache_dir: Path) -> None:
 
 
 # }}}
+
+
+@pytest.mark.parametrize("opts", [b"-include x.h", b"-I. -isystem /usr/include", b"-iquote q", b"-imacros m.h"])
+def test_options_that_add_files_or_move_the_search_make_it_uncacheable(cl_ctx: Any, opts: bytes,
+                                                                       monkeypatch: Any) -> None:
+    assert make_key(SOURCE, opts, cl_ctx.devices, []).uncertain is not None
+    assert make_key(SOURCE, b"-DINCLUDE=1 -I inc", cl_ctx.devices, []).uncertain is None
+    monkeypatch.setenv("POCL_EXTRA_BUILD_FLAGS", opts.decode())
+    assert make_key(SOURCE, b"", cl_ctx.devices, []).uncertain is not None

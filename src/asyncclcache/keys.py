@@ -29,7 +29,9 @@ Includes are resolved by one rule, clang's, or the program is uncacheable:
   could not see it change), a macro include or an odd name, ``#include_next``,
   ``#import``, ``__has_include``/``__has_include_next`` anywhere in the code (the code
   depends on which files exist), ``__DATE__``/``__TIME__``/``__TIMESTAMP__``, and a
-  header reached through links whose includes resolve differently in its folders.
+  header reached through links whose includes resolve differently in its folders, and
+  build options (or ``POCL_EXTRA_BUILD_FLAGS``) that add files or move the search
+  (``-include``, ``-imacros``, ``-isystem``, ``-iquote``, ``-idirafter``, ``-nostdinc``...).
   When unsure, uncacheable: never stale.
 
 Guarantees: the key is stable across runs and machines with the same inputs (no
@@ -403,6 +405,21 @@ def find_include_deps(
 INCLUDE_RULE = 2
 
 
+# Options that put files into the compile or move the search path where the scan cannot
+# follow (pocl refuses most of them; another driver might not).
+_SEARCH_OPTION_RE = re.compile(
+    rb"(?:^|\s)(-{1,2}(?:include|imacros|isystem|iquote|idirafter|iprefix|iwithprefix\w*|isysroot|nostdinc\w*))"
+)
+
+
+def _check_search_options(*option_strings: bytes) -> None:
+    for text in option_strings:
+        m = _SEARCH_OPTION_RE.search(text)
+        if m is not None:
+            raise UncertainIncludes(f"the build option {m.group(1).decode(errors='replace')} changes "
+                                    "which files are compiled")
+
+
 def make_key(
     source: bytes,
     options: bytes,
@@ -423,6 +440,7 @@ def make_key(
     identities = tuple(device_identity(d) for d in devices)
     uncertain = None
     try:
+        _check_search_options(options, os.environ.get("POCL_EXTRA_BUILD_FLAGS", "").encode())
         folder = None if source_dir is None else os.path.realpath(source_dir)
         deps = find_include_deps(source, include_path, source_dir=folder)
     except UncertainIncludes as e:
