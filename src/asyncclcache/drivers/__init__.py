@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -77,7 +78,7 @@ def make_driver(name: str, workers: Workers) -> Driver:
 
         root = kernel_cache_dir()
         if root is None:
-            raise ValueError("strategy kcache needs pocl's kernel cache (POCL_KERNEL_CACHE is 0)")
+            raise ValueError("strategy kcache needs pocl's kernel cache, which is off (POCL_KERNEL_CACHE)")
         return KcacheDriver(root)
     if name == "process":
         from .pocl import HelperDriver
@@ -97,13 +98,15 @@ def auto_reason(devices: Sequence[cl.Device]) -> str:
     strategy = auto_strategy(devices)
     if strategy == "kcache":
         return (
-            "pocl's CPU device keeps each program's compiled variants in its kernel cache, and "
-            "that folder, restored on a new node, compiles nothing (docs/design.md F15, F16): the "
-            "entry stores those files, so the cache itself compiles nothing"
+            f"pocl's CPU device keeps each program's compiled variants in its kernel cache "
+            f"({kernel_cache_dir()}), and that folder, restored on a new node, compiles nothing "
+            "(docs/design.md F15, F16): the entry stores those files, so the cache itself compiles nothing"
         )
     if strategy == "process":
+        flag = os.environ.get("POCL_KERNEL_CACHE")
         return (
-            "pocl's kernel cache is off (POCL_KERNEL_CACHE=0), and pocl's CPU device compiles a "
+            f"pocl's kernel cache is off (POCL_KERNEL_CACHE={flag!r}: pocl reads only a value "
+            "starting with 1 as on), and pocl's CPU device compiles a "
             "second, generic variant when asked for its binary under a process-wide lock that "
             "stalls every launch (docs/design.md F1, F3), so a lowest-priority helper process does the query"
         )
