@@ -36,6 +36,7 @@ import grp
 import logging
 import os
 import pwd
+import random
 import secrets
 import stat
 import threading
@@ -44,7 +45,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import pocl_env
 from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
@@ -68,6 +69,7 @@ __all__ = [
     "kernel_cache_dir",
     "mark",
     "moved",
+    "narrow",
     "restore",
     "unrestore",
     "untrusted",
@@ -94,6 +96,9 @@ CLOCK_SECONDS = 60.0
 MAX_FILE_BYTES = 256 << 20
 MAX_ENTRY_BYTES = 1 << 30
 MAX_FILES = 4096
+#: At most this many candidates are told apart by a probe build; more: nothing stored.
+MAX_PROBE = 8
+PROBE_ATTEMPTS = 2
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC
 
@@ -298,6 +303,14 @@ def choose(
       (the stamp of the build's end, :meth:`FsClock.until`) was a build that ran meanwhile.
       The touch closest to our build's end is never dropped.
     """
+    pool = narrow(root, found, kernels, end, tick)
+    return pool if 0 < len(pool) <= most else ()
+
+
+def narrow(
+    root: Path, found: Sequence[tuple[str, float]], kernels: Sequence[str], end: float, tick: float,
+) -> tuple[str, ...]:
+    """The candidates that :func:`choose` keeps, however many (sorted)."""
     names = set(kernels)
     pool = []
     for f, m in found:
@@ -307,8 +320,7 @@ def choose(
         if dirs is not None and dirs <= names:
             pool.append((f, m))
     near = [(f, m) for f, m in pool if m >= end - 2 * tick - CLOSE]
-    pool = near or pool
-    return tuple(sorted(f for f, _ in pool)) if 0 < len(pool) <= most else ()
+    return tuple(sorted(f for f, _ in near or pool))
 
 
 def _most(job: Job) -> int:
@@ -630,6 +642,8 @@ class KcacheDriver(Driver):
         self.scans = 0  # cheap walks of pocl's cache (new folders)
         self.full_scans = 0  # walks of every folder
         self.unused = 0  # hits whose restored folder pocl did not use
+        self.probes = 0  # cached rebuilds that told candidates apart (:meth:`_probe`)
+        self._contexts: dict[tuple[int, ...], Any] = {}  # the probe's, on this thread only
 
     # {{{ caller's threads
 
@@ -755,15 +769,19 @@ class KcacheDriver(Driver):
         try:
             if job.candidates is not None:
                 # Again at every snapshot: launches since narrow the choice.
-                job.folders = choose(self.root, job.candidates, job.kernels,
-                                     self.clock.until(job.built_to), self.clock.tick, _most(job))
-                if not job.folders and not job.scanned_all:
+                pool = narrow(self.root, job.candidates, job.kernels, self.clock.until(job.built_to),
+                              self.clock.tick)
+                if not pool and not job.scanned_all:
                     # Only others' new folders: ours is an older one. Look at all.
                     job.candidates = None
                     self._need_full[id(job)] = job
                     with self._cond:
                         self._waiting.append(_Wait(job, done, time.time()))
                     return None
+                most = _most(job)
+                if len(pool) > most:
+                    pool = self._probe(job, pool, most)
+                job.folders = pool if 0 < len(pool) <= most else ()
             if not job.folders:
                 raise Lost("pocl's kernel-cache folder of this build could not be identified")
             snap = folder_files(self.root, job.folders)
@@ -771,6 +789,64 @@ class KcacheDriver(Driver):
             return done, None, e
         job.queried_at = time.time()
         return done, snap, None
+
+    def _probe(self, job: Job, pool: Sequence[str], most: int) -> tuple[str, ...]:
+        """Folders that cannot be told apart (programs with the same kernel names built at
+        the same moment, or within one tick of a coarse clock): build the program once
+        more, from pocl's cache (a cheap cached build), and see which of them pocl
+        touches. No clock is compared but the measured one, to wait until a touch must
+        carry a later stamp. ``()`` when that cannot settle it (another process probing
+        or building the others at that moment, twice)."""
+        if len(pool) > MAX_PROBE or job.cwd != Job.caller_cwd() or (
+                job.environ is not None and job.environ != Job.caller_environ()):
+            return ()  # the same build is not possible here any more: never guess
+        for attempt in range(PROBE_ATTEMPTS):
+            if attempt:
+                time.sleep(random.uniform(0.0, 0.1 + self.clock.tick))  # out of step with a twin
+            moved_now = self._probe_once(job, pool)
+            if moved_now is None:
+                return ()
+            if 0 < len(moved_now) <= most:
+                return moved_now
+        return ()
+
+    def _probe_once(self, job: Job, pool: Sequence[str]) -> tuple[str, ...] | None:
+        before = {}
+        for f in pool:
+            try:
+                st = os.lstat(self.root / f / LAST_ACCESSED)
+            except OSError:
+                return None
+            before[f] = (st.st_ino, st.st_mtime_ns)
+        newest = max(m for _, m in before.values()) / 1e9
+        deadline = time.monotonic() + 3 * self.clock.tick + 2 * EPS
+        while self.clock.since(time.time()) <= newest:
+            if self._closed or time.monotonic() > deadline:
+                return None
+            time.sleep(min(0.05, self.clock.tick / 4))
+        try:
+            self._rebuild(job)
+        except Exception as e:  # noqa: BLE001 - a failed probe is a miss, never an error
+            logger.debug("asyncclcache: probe build failed: %s", e)
+            return None
+        self.probes += 1
+        moved_now = []
+        for f in pool:
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.root / f / LAST_ACCESSED)
+                if (st.st_ino, st.st_mtime_ns) != before[f]:
+                    moved_now.append(f)
+        return tuple(moved_now)
+
+    def _rebuild(self, job: Job) -> None:
+        import pyopencl as cl
+
+        ids = tuple(d.int_ptr for d in job.devices)
+        ctx = self._contexts.get(ids)
+        if ctx is None:
+            ctx = self._contexts[ids] = cl.Context(list(job.devices))
+        prg = cl._cl._Program(ctx, job.source.decode("utf-8"))  # as cached_build encoded it
+        prg.build(job.options, list(job.devices))
 
     def _due(self) -> bool:
         now = time.time()
