@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncclcache import pocl_env
+from asyncclcache import fsclock, pocl_env
 from asyncclcache.drivers import kcache
 from asyncclcache.store import Store
 from conftest import ROOT, child_json, run_child
@@ -209,11 +209,45 @@ def test_one_second_stamps_every_program_is_identified_and_hits(tmp_path):
         assert (new_node["stats"]["hits"], new_node["stats"]["rejected"]) == (4, 0)
 
 
+@pytest.mark.slow
+def test_header_edited_twice_within_one_second_is_hashed_again(tmp_path):
+    # The key's digest memo may only trust a stamp that a later edit must change: on
+    # 1-second stamps, an edit of the same size within the same second keeps the stamp.
+    from asyncclcache import keys
+
+    with _coarse_fs(tmp_path) as fs:
+        h = fs / "h.h"
+        for _ in range(20):
+            h.write_bytes(b"#define VAL 1\n")
+            first = keys._MEMO.digest(str(h))
+            st = h.stat()
+            h.write_bytes(b"#define VAL 2\n")
+            if h.stat().st_mtime_ns == st.st_mtime_ns:
+                break  # both edits in one second: the case that matters
+        else:
+            pytest.skip("could not make two edits within one second")
+        assert keys._MEMO.digest(str(h)) != first
+        clock = fsclock.clock_for(str(h), h.stat().st_dev)
+        assert clock is not None and clock.tick >= 1.0  # measured there, not assumed
+
+
+def test_header_digests_are_remembered_once_old_enough(tmp_path):
+    from asyncclcache import keys
+
+    h = tmp_path / "old.h"
+    h.write_bytes(b"#define VAL 1\n")
+    time.sleep(0.3)  # older than any stamp a change now could carry (fine clock: ~75 ms)
+    assert keys._MEMO.digest(str(h)) is not None
+    assert str(h) in keys._MEMO._memo
+    h.write_bytes(b"#define VAL 2\n")  # a new stamp: read again
+    assert keys._MEMO.digest(str(h)) == keys.hashlib.sha256(b"#define VAL 2\n").hexdigest()
+
+
 def test_fs_clock_bounds_hold_on_a_fine_file_system(tmp_path):
     clock = kcache.FsClock(tmp_path)
     assert clock.due()
     assert clock.measure() and not clock.due()
-    assert clock.tick == kcache.FINE_TICK
+    assert clock.tick == fsclock.FINE_TICK
     t0 = time.time()
     (tmp_path / "f").touch()
     t1 = time.time()

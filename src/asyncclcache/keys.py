@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import fsclock
+
 if TYPE_CHECKING:
     import pyopencl as cl
 
@@ -267,11 +269,6 @@ def host_cpu_features() -> str:
     return hashlib.sha256(blob).hexdigest()[:32] if blob else "unknown"
 
 
-#: A file changed less than this before it was hashed may change again without a
-#: visible new timestamp (coarse or lagging file system clocks): never memoized.
-_RACY_NS = 2_000_000_000
-
-
 @dataclass(frozen=True)
 class _Scanned:
     """A file as read: its content digest, identity (device, inode) and includes."""
@@ -285,9 +282,12 @@ class _DigestMemo:
     """(path, device, inode, size, mtime, ctime) -> what :class:`_Scanned` holds: a cheap
     stat before any re-read.
 
-    Like git's "racily clean" rule, a result is only remembered for a file whose
-    last change is clearly older than the moment it was read; otherwise a second
-    edit within one timestamp tick (same size) would return the stale digest.
+    Like git's "racily clean" rule, a result is only remembered for a file whose last
+    change is older than any stamp a change after the read could carry, in the file
+    system's own time base (:func:`~asyncclcache.fsclock.clock_for`: whole seconds on
+    Lustre, a skewed NFS server); otherwise a second edit within one tick (same size)
+    would return the stale digest. Where that clock cannot be measured, nothing is
+    remembered: the file is read at every build.
     """
 
     def __init__(self) -> None:
@@ -307,14 +307,15 @@ class _DigestMemo:
             hit = self._memo.get(path)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        read_at = time.time_ns()
+        read_at = time.time()
         try:
             with open(path, "rb") as f:
                 text = f.read()
         except OSError:
             return None
         scanned = _Scanned(hashlib.sha256(text).hexdigest(), (st.st_dev, st.st_ino), _scan(text))
-        if read_at - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
+        clock = fsclock.clock_for(path, st.st_dev)
+        if clock is not None and max(st.st_mtime_ns, st.st_ctime_ns) / 1e9 < clock.since(read_at):
             with self._lock:
                 self._memo[path] = (stamp, scanned)
         return scanned

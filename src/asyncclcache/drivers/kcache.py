@@ -52,6 +52,7 @@ from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
 from ..entry import valid_kcache_file as valid_file
 from ..errors import BinaryRejectedWarning
 from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError
+from ..fsclock import EPS, FsClock
 from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
 
 if TYPE_CHECKING:
@@ -79,10 +80,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAST_ACCESSED = "last_accessed"
-#: A fine-grained file system's stamps come from the kernel's coarse clock (a jiffy).
-FINE_TICK = 0.05
-#: Margin on every window: the clock may drift between two measurements.
-EPS = 0.02
 #: Touches this much (plus a tick) before the end of our build belong to other builds.
 CLOSE = 0.05
 #: Outside a step, snapshot at the latest this long after the build.
@@ -90,8 +87,6 @@ SETTLE_SECONDS = 3.0
 POLL_SECONDS = 0.2
 #: At most one walk of every folder of pocl's cache this often (a large cache: many stats).
 FULL_SCAN_SECONDS = 1.0
-#: The file system's clock is measured again this often (NFS servers drift).
-CLOCK_SECONDS = 60.0
 #: What one entry may hold: pocl's files of one program are far below these.
 MAX_FILE_BYTES = 256 << 20
 MAX_ENTRY_BYTES = 1 << 30
@@ -147,79 +142,6 @@ def _trusted_dir(path: Path) -> bool:
     except OSError:
         return False
     return stat.S_ISDIR(st.st_mode) and untrusted(st) is None
-
-
-# }}}
-
-# {{{ the file system's clock
-
-
-class FsClock:
-    """The time base of the file system under ``root`` against ``time.time()``.
-
-    Measured on a file we create there (as pocl creates and truncates
-    ``last_accessed``): the stamp's tick (whole seconds on Lustre, ext4 with 128-byte
-    inodes, FAT; a jiffy elsewhere) and bounds of the skew (an NFS server's clock).
-    Until measured, and where it cannot be, it assumes the worst (2 s ticks, 2 s skew):
-    windows are wider, never wrong. Thread-safe.
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.tick = 2.0
-        self.skew = (-2.0, 2.0)
-        self.measured_at: float | None = None  # time.monotonic()
-        self._lock = threading.Lock()
-
-    def measure(self, samples: int = 3) -> bool:
-        """Measure now (disk I/O: background threads only); False if it could not."""
-        got: list[tuple[float, float, int]] = []
-        try:
-            rootfd = os.open(self.root, _O_DIR)
-        except OSError:
-            return False
-        try:
-            for _ in range(samples):
-                name = f"{TMP_PREFIX}clock-{secrets.token_hex(6)}"
-                t0 = time.time()
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o600,
-                             dir_fd=rootfd)
-                os.close(fd)
-                t1 = time.time()
-                try:
-                    st = os.stat(name, dir_fd=rootfd, follow_symlinks=False)
-                finally:
-                    with contextlib.suppress(OSError):
-                        os.unlink(name, dir_fd=rootfd)
-                got.append((t0, t1, st.st_mtime_ns))
-        except OSError:
-            return False
-        finally:
-            os.close(rootfd)
-        whole = all(m % 1_000_000_000 == 0 for _, _, m in got)
-        tick = (2.0 if all(m % 2_000_000_000 == 0 for _, _, m in got) else 1.0) if whole else FINE_TICK
-        # stamp m = T_fs rounded down to a tick, T_fs = T_local + skew, t0 <= T_local <= t1
-        lo = max(m / 1e9 - t1 for t0, t1, m in got)
-        hi = min(m / 1e9 + tick - t0 for t0, t1, m in got)
-        with self._lock:
-            self.tick = tick
-            self.skew = (min(lo, hi), max(lo, hi))
-            self.measured_at = time.monotonic()
-        return True
-
-    def due(self) -> bool:
-        """Not measured yet, or not for :data:`CLOCK_SECONDS`."""
-        return self.measured_at is None or time.monotonic() - self.measured_at > CLOCK_SECONDS
-
-    def since(self, t: float) -> float:
-        """The smallest stamp a touch at or after local time ``t`` can have."""
-        with self._lock:
-            return t + self.skew[0] - self.tick - EPS
-
-    def until(self, t: float) -> float:
-        """The largest stamp a touch at or before local time ``t`` can have."""
-        with self._lock:
-            return t + self.skew[1] + EPS
 
 
 # }}}
