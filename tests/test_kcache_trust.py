@@ -506,6 +506,8 @@ def test_variants_are_seen_whatever_pocl_names_the_compiled_file(tmp_path):
     v = tmp_path / rel / "k" / "64-1-1-goffs0-smallgrid"
     v.mkdir(parents=True)
     (tmp_path / rel / "program.bc").write_bytes(b"bc")
+    (v / "parallel.bc").write_bytes(b"bc")  # written first (pocl 7.1): not compiled yet
+    assert not kcache.ready(tmp_path, [rel], ["k"], now - 1)
     (v / "k.so.o").write_bytes(b"o")
     assert kcache.ready(tmp_path, [rel], ["k"], now - 1)
     assert not kcache.ready(tmp_path, [rel], ["k"], now + 10)

@@ -282,20 +282,21 @@ def ready(root: Path, folders: Sequence[str], kernels: Sequence[str], since: flo
         return False
     for folder in folders:
         have = _kernel_dirs(root, folder) or set()
-        if all(k in have and _new_variant(root / folder / k, since) for k in kernels):
+        if all(k in have and _new_variant(root / folder / k, k, since) for k in kernels):
             return True
     return False
 
 
-def _new_variant(kdir: Path, since: float) -> bool:
-    # Any file of a variant folder: pocl names the compiled one <kernel>.so, and on its
-    # JIT (pocl 7.2) <kernel>.so.o; nothing here depends on the name.
+def _new_variant(kdir: Path, kernel: str, since: float) -> bool:
+    # The compiled file of a variant: pocl names it <kernel>.so, and on its JIT (pocl 7.2)
+    # <kernel>.so.o; the work-group function's parallel.bc comes before it (pocl 7.1).
     try:
         with os.scandir(kdir) as variants:
             for v in variants:
                 with contextlib.suppress(OSError), os.scandir(v.path) as files:
                     for f in files:
-                        if f.stat(follow_symlinks=False).st_mtime >= since:
+                        if (f.name.startswith(f"{kernel}.") and not f.name.endswith(".bc")
+                                and f.stat(follow_symlinks=False).st_mtime >= since):
                             return True
     except OSError:
         pass
