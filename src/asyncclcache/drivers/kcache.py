@@ -13,8 +13,10 @@ nothing is compiled for the cache at all: no binary query, no generic variant, n
   caches live on NFS and Lustre, with coarse stamps and skewed clocks. Other builds
   move theirs too (threads, ranks sharing pocl's cache): a folder with kernels the
   program lacks, or owned by another user, is not ours; a touch long before our
-  build's end was another build's (:func:`choose`). Exactly one folder per kind of
-  device, or nothing is stored (counted ``unidentified``): when in doubt, miss.
+  build's end was another build's (:func:`choose`). Folders still not told apart (the
+  same kernel names at the same moment, or within a coarse tick) are settled by a probe:
+  one more cached build of the program, and the folder pocl touches. Exactly one folder
+  per kind of device, or nothing is stored (counted ``unidentified``): when in doubt, miss.
 * **Snapshot**: the folder's files, once every kernel has a variant compiled since the
   build (the first launches), else after :data:`SETTLE_SECONDS`, at a step's end or at
   ``flush()``. Only files of ours, bounded in size (:func:`folder_files`).
