@@ -382,11 +382,7 @@ class Cache:
     def reject(self, info: KeyInfo) -> None:
         """The driver refused the stored entry for ``info``: count it, forget it (memory
         and disk); the rebuilt program's entry replaces it."""
-        self._counters.add("rejected")
-        with self._lock:
-            old = self._memory.pop(info.key, None)
-            if old is not None:
-                self._memory_bytes -= old.nbytes
+        self.record_unused(info)
         self.store.remove(info.key)
 
     def record_unused(self, info: KeyInfo) -> None:

@@ -56,16 +56,37 @@ class InsecurePathError(PermissionError):
     """A directory or file another user could have written (or a link): refused."""
 
 
-def insecure(st: os.stat_result) -> str | None:
-    """Why a file or directory with this ``lstat``/``fstat`` must not be trusted, or ``None``."""
+def insecure(st: os.stat_result, *, private_group_ok: bool = False) -> str | None:
+    """Why a file or directory with this ``lstat``/``fstat`` must not be trusted, or ``None``.
+
+    ``private_group_ok``: the write bit of the user's private group (only the user in
+    it, as umask 002 set-ups make pocl's files) is the user's own."""
     if st.st_uid != os.geteuid():
         return f"owned by uid {st.st_uid}, not {os.geteuid()}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    group_ok = private_group_ok and _private_group(st.st_gid)
+    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not group_ok):
         return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
     if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
         # A hard link made elsewhere (by whoever could write there) into our directory.
         return f"has {st.st_nlink} hard links"
     return None
+
+
+_private_groups: dict[int, bool] = {}
+
+
+def _private_group(gid: int) -> bool:
+    if gid not in _private_groups:
+        import grp
+        import pwd
+
+        try:
+            g = grp.getgrgid(gid)
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            _private_groups[gid] = gid == os.getegid() and set(g.gr_mem) <= {me} and g.gr_name == me
+        except (KeyError, OSError):
+            _private_groups[gid] = False
+    return _private_groups[gid]
 
 
 def make_private_dir(path: Path, *, follow: bool = False) -> None:

@@ -109,12 +109,18 @@ _by_device: dict[int, FsClock | None] = {}
 _by_device_lock = threading.Lock()
 
 
-def clock_for(path: str, device: int) -> FsClock | None:
-    """A measured clock of the file system (``st_dev`` ``device``) that holds ``path``;
-    ``None`` where no directory on it can be written (then nothing may rest on its
-    stamps). The first call per device measures (three files created and removed, in the
-    temp, cache or current directory where one is on that device, else in ``path``'s own);
-    then again every :data:`CLOCK_SECONDS`."""
+def clock_for(path: str, device: int | None = None) -> FsClock | None:
+    """The measured clock of the file system that holds ``path`` (a file, or a directory;
+    ``device``: its ``st_dev``, if known), one per file system and process; ``None`` where
+    no directory on it can be written (then nothing may rest on its stamps). The first
+    call per file system measures (three files created and removed: in ``path`` if it is
+    a directory, else in the temp, cache or current directory where one is on that file
+    system, else in ``path``'s folder); then again every :data:`CLOCK_SECONDS`."""
+    if device is None:
+        try:
+            device = os.stat(path).st_dev
+        except OSError:
+            return None
     with _by_device_lock:
         known = device in _by_device
         clock = _by_device.get(device)
@@ -142,5 +148,6 @@ def _places(path: str) -> list[str]:
     out = [tempfile.gettempdir(), os.path.expanduser("~/.cache")]
     with contextlib.suppress(OSError):
         out.append(os.getcwd())
-    out.append(os.path.dirname(os.path.abspath(path)))
-    return out
+    if os.path.isdir(path):
+        return [path, *out]  # pocl's cache directory, say: the place of the stamps read
+    return [*out, os.path.dirname(os.path.abspath(path))]

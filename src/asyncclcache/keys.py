@@ -49,7 +49,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,6 +70,7 @@ __all__ = [
     "find_include_deps",
     "host_cpu_features",
     "make_key",
+    "pocl_code_settings",
     "scan_includes",
 ]
 
@@ -227,6 +228,12 @@ POCL_NOT_CODE = frozenset({
 })
 
 
+def pocl_code_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``POCL_*`` variables of ``env`` that can change generated code (all but
+    :data:`POCL_NOT_CODE`): what the key holds of pocl's environment."""
+    return {k: v for k, v in env.items() if k.startswith("POCL_") and k not in POCL_NOT_CODE}
+
+
 def code_settings(devices: Sequence[cl.Device]) -> dict[str, str]:
     """Settings outside the source and options that change the generated code.
 
@@ -242,8 +249,7 @@ def code_settings(devices: Sequence[cl.Device]) -> dict[str, str]:
 
     out: dict[str, str] = {}
     if any(d.platform.name == POCL_PLATFORM_NAME for d in devices):
-        out.update({k: v for k, v in os.environ.items()
-                    if k.startswith("POCL_") and k not in POCL_NOT_CODE})
+        out.update(pocl_code_settings(os.environ))
     if any(d.type & cl.device_type.CPU for d in devices):
         out["host_cpu"] = host_cpu_features()
     return out

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import grp
 import logging
 import os
-import pwd
 import random
 import secrets
 import stat
@@ -53,8 +51,8 @@ from .. import pocl_env
 from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
 from ..entry import valid_kcache_file as valid_file
 from ..errors import BinaryRejectedWarning
-from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError
-from ..fsclock import EPS, FsClock
+from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError, insecure
+from ..fsclock import EPS, FsClock, clock_for
 from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
 
 if TYPE_CHECKING:
@@ -77,6 +75,7 @@ __all__ = [
     "unrestore",
     "untrusted",
     "valid_file",
+    "window",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,34 +107,14 @@ def kernel_cache_dir() -> Path | None:
 
 # {{{ trust: what of pocl's cache may become an entry, or be written into
 
-_private_groups: dict[int, bool] = {}
-
-
-def _private_group(gid: int) -> bool:
-    # A user-private group (umask 002 setups): only we are in it, so its write bit is ours.
-    if gid not in _private_groups:
-        try:
-            g = grp.getgrgid(gid)
-            me = pwd.getpwuid(os.geteuid()).pw_name
-            _private_groups[gid] = gid == os.getegid() and set(g.gr_mem) <= {me} and g.gr_name == me
-        except (KeyError, OSError):
-            _private_groups[gid] = False
-    return _private_groups[gid]
-
-
 def untrusted(st: os.stat_result) -> str | None:
     """Why a file or directory of pocl's cache with this ``lstat``/``fstat`` must not be
-    stored or written into, or ``None``: another owner, writable by others (or by a
-    group that is not our private one), a link, a hard link, not a file or directory."""
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}"
+    stored or written into, or ``None``: the store's own rule (:func:`~asyncclcache.fileio.insecure`:
+    another owner, writable by others, a hard link), except that pocl's files may be
+    writable by the user's private group (umask 002); and a file or directory, no link."""
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         return "not a regular file or directory"
-    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid)):
-        return f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
-    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-        return f"has {st.st_nlink} hard links"
-    return None
+    return insecure(st, private_group_ok=True)
 
 
 def _trusted_dir(path: Path) -> bool:
@@ -252,10 +231,6 @@ def _most(job: Job) -> int:
     return max(1, len({tuple(sorted(d.items())) for d in job.info.devices}))
 
 
-_clocks: dict[Path, FsClock] = {}
-_clocks_lock = threading.Lock()
-
-
 def find_folders(root: Path, jobs: Sequence[Job], clock: FsClock | None = None) -> None:
     """Set ``job.folders`` for the jobs that lack one, now, in this thread: new folders
     first, a walk of every folder only if some job found none; then :func:`choose`.
@@ -265,16 +240,18 @@ def find_folders(root: Path, jobs: Sequence[Job], clock: FsClock | None = None) 
     if not todo:
         return
     if clock is None:
-        with _clocks_lock:
-            clock = _clocks.setdefault(root, FsClock(root))
-        if clock.due():
-            clock.measure()
-    windows = [(clock.since(j.built_from), clock.until(j.built_to)) for j in todo]
+        clock = clock_for(str(root)) or FsClock(root)  # unmeasurable: the worst case
+    windows = [window(clock, j) for j in todo]
     found = candidates(root, windows, new_only=True)
     if not all(found):
         found = candidates(root, windows)
     for job, cands in zip(todo, found, strict=True):
         job.folders = choose(root, cands, job.kernels, clock.until(job.built_to), clock.tick, _most(job))
+
+
+def window(clock: FsClock, job: Job) -> tuple[float, float]:
+    """The stamps a touch inside ``job``'s build can carry."""
+    return clock.since(job.built_from), clock.until(job.built_to)
 
 
 def ready(root: Path, folders: Sequence[str], kernels: Sequence[str], since: float) -> bool:
@@ -552,7 +529,7 @@ class KcacheDriver(Driver):
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.clock = FsClock(root)
+        self.clock = FsClock(root)  # unmeasured (the worst case) until the thread measures
         self._cond = threading.Condition()
         self._identify: list[Job] = []
         # snapshots waiting for the program's first launches
@@ -681,8 +658,8 @@ class KcacheDriver(Driver):
                 todo, self._identify = self._identify, []
                 todo += [w.job for w in self._waiting]
             t0 = time.thread_time()
-            if self.clock.due():
-                self.clock.measure()
+            # The process's one clock of this file system (shared with the key's headers).
+            self.clock = clock_for(str(self.root)) or self.clock
             self._scan(todo)
             snaps = [self._snapshot(job, done) for job, done in self._take_ready()]
             if self.on_cpu is not None:
@@ -739,11 +716,10 @@ class KcacheDriver(Driver):
         before = {}
         for f in pool:
             try:
-                st = os.lstat(self.root / f / LAST_ACCESSED)
+                before[f] = os.lstat(self.root / f / LAST_ACCESSED)
             except OSError:
                 return None
-            before[f] = (st.st_ino, st.st_mtime_ns)
-        newest = max(m for _, m in before.values()) / 1e9
+        newest = max(st.st_mtime_ns for st in before.values()) / 1e9
         deadline = time.monotonic() + 3 * self.clock.tick + 2 * EPS
         while self.clock.since(time.time()) <= newest:
             if self._closed or time.monotonic() > deadline:
@@ -755,13 +731,7 @@ class KcacheDriver(Driver):
             logger.debug("asyncclcache: probe build failed: %s", e)
             return None
         self.probes += 1
-        moved_now = []
-        for f in pool:
-            with contextlib.suppress(OSError):
-                st = os.lstat(self.root / f / LAST_ACCESSED)
-                if (st.st_ino, st.st_mtime_ns) != before[f]:
-                    moved_now.append(f)
-        return tuple(moved_now)
+        return tuple(f for f in pool if moved(self.root, f, before[f]))
 
     def _rebuild(self, job: Job) -> None:
         import pyopencl as cl
@@ -777,9 +747,6 @@ class KcacheDriver(Driver):
         now = time.time()
         return any(w.due <= now for w in self._waiting)
 
-    def _window(self, job: Job) -> tuple[float, float]:
-        return self.clock.since(job.built_from), self.clock.until(job.built_to)
-
     def _scan(self, jobs: list[Job]) -> None:
         # New folders first: cheap however large pocl's cache is. A build that pocl served
         # from an older folder (the same program built before on this node) needs a walk
@@ -788,7 +755,7 @@ class KcacheDriver(Driver):
         fresh = [j for j in todo if id(j) not in self._need_full]
         if fresh:
             self.scans += 1
-            found = candidates(self.root, [self._window(j) for j in fresh], new_only=True)
+            found = candidates(self.root, [window(self.clock, j) for j in fresh], new_only=True)
             for job, cands in zip(fresh, found, strict=True):
                 if cands:
                     job.candidates = cands
@@ -801,7 +768,7 @@ class KcacheDriver(Driver):
             self._need_full.clear()
             self._last_full = now
             self.full_scans += 1
-            found = candidates(self.root, [self._window(j) for j in full])
+            found = candidates(self.root, [window(self.clock, j) for j in full])
             for job, cands in zip(full, found, strict=True):
                 job.candidates = cands
                 job.scanned_all = True

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from ..keys import POCL_NOT_CODE
+from ..keys import pocl_code_settings
 from . import _wire
 from .base import Done, Driver, Dropped, Job, Purpose, Snapshot
 from .kcache import find_folders, kernel_cache_dir
@@ -120,11 +120,6 @@ def _helper_env(pocl: Mapping[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ASYNCCLCACHE_", "POCL_"))}
     env.update(pocl)
     return env
-
-
-def _code_env(pocl: Mapping[str, str]) -> dict[str, str]:
-    # The settings that change generated code, as the key counts them (keys.code_settings).
-    return {k: v for k, v in pocl.items() if k not in POCL_NOT_CODE}
 
 
 class HelperDriver(Driver):
@@ -229,7 +224,7 @@ class HelperDriver(Driver):
     def _helper_for(self, job: Job) -> subprocess.Popen[bytes]:
         """A running helper with the job's code settings (client thread)."""
         pocl = job.environ if job.environ is not None else Job.caller_environ()
-        code = _code_env(pocl)
+        code = pocl_code_settings(pocl)
         proc = self._proc
         if proc is not None and proc.poll() is None:
             if code == self._code:
