@@ -137,7 +137,7 @@ class Cache:
         self._counters = Counters()
         self._memory: OrderedDict[str, Entry] = OrderedDict()
         self._memory_bytes = 0
-        #: key -> which entry file its last disk lookup (or our write) saw: see Job.seen.
+        #: key -> which entry file its last disk lookup saw (taken by the miss): see Job.seen.
         self._seen: dict[str, Stamp | None] = {}
         self._steps: list[Step] = []
         self._drivers: dict[str, Driver] = {}
@@ -147,7 +147,7 @@ class Cache:
             lambda s: self._counters.add("background_cpu_seconds", s),
         )
         self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
-                                  on_written=self._remember_written)
+                                  on_written=self._remember)
 
     def __repr__(self) -> str:
         return f"Cache({str(self.store.root)!r}, strategy={self.strategy!r})"
@@ -411,13 +411,6 @@ class Cache:
         with self._lock:
             if self._steps:
                 self._steps[-1]._count(hit)
-
-    def _remember_written(self, entry: Entry) -> None:
-        # Writer thread: the file this process wrote is the one a later miss saw.
-        self._remember(entry)
-        stamp = self.store.stamp(entry.key)
-        with self._lock:
-            self._seen[entry.key] = stamp
 
     def _remember(self, entry: Entry) -> None:
         with self._lock:

@@ -33,7 +33,7 @@ from .drivers import Dropped, Job, Lost, Purpose, Snapshot
 from .entry import Entry, EntryMeta
 from .errors import WriteFailedWarning
 from .stats import Counters
-from .store import PublishResult, Store
+from .store import PublishResult, Stamp, Store
 from .workers import Workers
 
 __all__ = ["MAX_JOBS", "Pipeline"]
@@ -69,6 +69,8 @@ class Pipeline:
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._inflight: set[str] = set()
         self._refreshable: set[str] = set()
+        # key -> the entry file this process wrote last (the newest MAX_JOBS keys).
+        self._wrote: OrderedDict[str, Stamp | None] = OrderedDict()
         self._errors: list[BaseException] = []
         self._closed = False
         self._swept = False
@@ -207,8 +209,12 @@ class Pipeline:
     def _written_since(self, job: Job) -> bool:
         # Which file, not when: an entry's mtime is set before its fsync and rename, and
         # clocks of other hosts (NFS) differ. Rename gives every write a new inode.
+        # A file of this process's own (a second miss of a key whose first write was on
+        # its way at the lookup) needs no second write either.
         now = self.store.stamp(job.key)
-        return now is not None and now != job.seen
+        with self._lock:
+            ours = self._wrote.get(job.key)
+        return now is not None and (now != job.seen or now == ours)
 
     def _fetched(
         self, job: Job, purpose: Purpose, snap: Snapshot | None, error: BaseException | None
@@ -274,6 +280,12 @@ class Pipeline:
             if job.driver.refreshable:
                 self._refreshable.add(job.key)
             job.program = None  # the in-process program is no longer needed
+        stamp = self.store.stamp(job.key)
+        with self._lock:
+            self._wrote[job.key] = stamp
+            self._wrote.move_to_end(job.key)
+            while len(self._wrote) > MAX_JOBS:
+                self._wrote.popitem(last=False)
         self._on_written(entry)
         self._keep_under_max_size(entry.nbytes)
 

@@ -94,7 +94,8 @@ MAX_ENTRY_BYTES = 1 << 30
 MAX_FILES = 4096
 #: At most this many candidates are told apart by a probe build; more: nothing stored.
 MAX_PROBE = 8
-PROBE_ATTEMPTS = 2
+PROBE_ATTEMPTS = 4
+PROBE_JITTER = 0.5
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC
 
@@ -698,13 +699,14 @@ class KcacheDriver(Driver):
         more, from pocl's cache (a cheap cached build), and see which of them pocl
         touches. No clock is compared but the measured one, to wait until a touch must
         carry a later stamp. ``()`` when that cannot settle it (another process probing
-        or building the others at that moment, twice)."""
+        or building the others during each attempt)."""
         if len(pool) > MAX_PROBE or job.cwd != Job.caller_cwd() or (
                 job.environ is not None and job.environ != Job.caller_environ()):
             return ()  # the same build is not possible here any more: never guess
-        for attempt in range(PROBE_ATTEMPTS):
-            if attempt:
-                time.sleep(random.uniform(0.0, 0.1 + self.clock.tick))  # out of step with a twin
+        for _ in range(PROBE_ATTEMPTS):
+            # Ranks that built at the same moment probe at the same moment too: a random
+            # delay before each attempt puts them out of step (a collision: both moved).
+            time.sleep(random.uniform(0.0, PROBE_JITTER))
             moved_now = self._probe_once(job, pool)
             if moved_now is None:
                 return ()
