@@ -64,7 +64,7 @@ def test_a_file_other_than_the_one_the_lookup_saw_is_someone_elses(tmp_path):
     key = hashlib.sha256(b"k2").hexdigest()
     # Another process wrote the key: this process saw its file at the lookup, then it was
     # replaced (a new inode), so the miss is skipped; seeing that very file, it writes.
-    other, other_counters, other_workers = _pipeline(store)
+    other, _other_counters, other_workers = _pipeline(store)
     job = _job(store, key, None)
     assert other.add(job)
     other.fetch(job, Purpose.SNAPSHOT_NOW)
