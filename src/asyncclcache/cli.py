@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -188,16 +189,26 @@ def _check_writable(stores: list[Any], doing: str) -> None:
 # }}}
 
 
-def _opencl_versions() -> dict[str, Any]:
+def _opencl_versions(strategy: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         import pyopencl as cl
 
+        from .drivers import auto_reason, resolve_strategy
+
         out["pyopencl"] = cl.VERSION_TEXT
-        out["platforms"] = [
-            {"name": p.name, "version": p.version, "devices": [d.name for d in p.get_devices()]}
-            for p in cl.get_platforms()
-        ]
+        out["platforms"] = []
+        for p in cl.get_platforms():
+            try:
+                devices = p.get_devices()
+            except cl.Error:
+                devices = []  # a platform without devices (Clover, rusticl not enabled)
+            row: dict[str, Any] = {"name": p.name, "version": p.version, "devices": [d.name for d in devices]}
+            if devices:
+                # What a build for this platform's devices uses, and why (auto's choice).
+                row["strategy"] = resolve_strategy(strategy, devices)
+                row["reason"] = auto_reason(devices)
+            out["platforms"].append(row)
     except Exception as e:  # noqa: BLE001 - info must work without a driver
         out["opencl_error"] = f"{type(e).__name__}: {e}"
     return out
@@ -238,7 +249,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "devices_seen": devices,
         "lifetime": life,
     }
-    info.update(_opencl_versions())
+    info.update(_opencl_versions(cfg.strategy))
     human = [
         f"asyncclcache {__version__}",
         f"  directory      {info['directory']}" + ("" if stores else "  (not created yet)"),
@@ -257,6 +268,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         human.append(f"  pyopencl       {info['pyopencl']}")
     for p in info.get("platforms", []):
         human.append(f"  platform       {p['name']}: {p['version']}")
+        if "strategy" in p:
+            lines = textwrap.wrap(f"{p['strategy']}: {p['reason']}", WIDTH - 17)
+            human += [f"    {'uses' if i == 0 else '':<13}{line}" for i, line in enumerate(lines)]
     if "opencl_error" in info:
         human.append(f"  OpenCL         unavailable: {info['opencl_error']}")
     human.append(

@@ -339,7 +339,8 @@ class UncertainIncludes(Exception):
 
 
 def find_include_deps(
-    source: bytes, include_path: Sequence[str], *, source_dir: str | None = None
+    source: bytes, include_path: Sequence[str], *, source_dir: str | None = None,
+    source_dir_doubt: str | None = None,
 ) -> tuple[IncludeDep, ...]:
     """Every file ``source`` includes, recursively, resolved as clang resolves it.
 
@@ -347,6 +348,11 @@ def find_include_deps(
     ``source_dir``, where the compiler keeps the file it compiles; ``None``: none), then
     ``include_path`` in order. ``#include <name>``: ``include_path`` only. The first
     regular file found is the one hashed, whatever a later folder holds.
+
+    ``source_dir_doubt``: where it is not certain that the compiler, or the driver's own
+    cache, takes a header from ``source_dir`` (rusticl, a driver not measured), an
+    ``#include`` of the source found there that ``include_path`` alone would not find as
+    the same file is uncertain, with this reason.
 
     Raises :class:`UncertainIncludes` where the scan cannot be sure (see :func:`scan_includes`)
     or a file is not found on that path (the compiler may find it elsewhere, and a stale
@@ -373,6 +379,14 @@ def find_include_deps(
             scanned = _MEMO.scan(real)
             if scanned is None:
                 raise UncertainIncludes(f"#include {name!r} ({where}): {opened} is not a readable file")
+            if first and directory == folder and where == "the source" and source_dir_doubt is not None:
+                try:
+                    alone = resolve(quoted, name, None, where)[1]
+                except UncertainIncludes:
+                    alone = None
+                if alone != real:
+                    raise UncertainIncludes(
+                        f'#include "{name}" of the source is found in {folder}: {source_dir_doubt}')
             return opened, real, scanned
         raise UncertainIncludes(f"#include {name!r} ({where}) is not on the include path")
 
@@ -409,7 +423,7 @@ def find_include_deps(
 
 #: Version of the include lookup rule: keys made under an older rule (which could hash a
 #: file the compiler did not take) never match a key made now.
-INCLUDE_RULE = 2
+INCLUDE_RULE = 3
 
 
 # Options that put files into the compile or move the search path where the scan cannot
@@ -435,13 +449,14 @@ def make_key(
     *,
     kind: str = "binary",
     source_dir: str | None = None,
+    source_dir_doubt: str | None = None,
 ) -> KeyInfo:
     """Compute the key of building ``source`` with ``options`` for ``devices``. Thread-safe.
 
     ``kind`` is what the entry holds (``binary``, or ``kcache``: pocl's kernel-cache files);
     entries of different kinds never share a key. ``source_dir`` is the folder of the file
     the compiler compiles (pocl's cache directory), searched first for the source's own
-    ``#include "..."`` (see :func:`find_include_deps`)."""
+    ``#include "..."``, with ``source_dir_doubt`` (see :func:`find_include_deps`)."""
     import pyopencl
 
     identities = tuple(device_identity(d) for d in devices)
@@ -449,7 +464,7 @@ def make_key(
     try:
         _check_search_options(options, os.environ.get("POCL_EXTRA_BUILD_FLAGS", "").encode())
         folder = None if source_dir is None else os.path.realpath(source_dir)
-        deps = find_include_deps(source, include_path, source_dir=folder)
+        deps = find_include_deps(source, include_path, source_dir=folder, source_dir_doubt=source_dir_doubt)
     except UncertainIncludes as e:
         deps, uncertain = (), str(e)
     source_sha = hashlib.sha256(source).hexdigest()

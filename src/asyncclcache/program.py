@@ -23,9 +23,11 @@ from pyopencl import _cl
 
 from . import pocl_env
 from .cache import Cache, default_cache
-from .drivers import SourceBuild
+from .cuda_env import NVIDIA_PLATFORM_NAME
+from .drivers import Job, SourceBuild
 from .errors import BinaryRejectedWarning
 from .keys import POCL_PLATFORM_NAME, make_key
+from .mesa_env import RUSTICL_PLATFORM_NAME
 
 __all__ = ["Program", "install", "installed", "is_installed", "uninstall"]
 
@@ -68,11 +70,9 @@ def cached_build(
     source = prg._source
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
     driver = cache.driver_for(devs)
-    # pocl compiles its copy of the source in its cache directory: clang looks there first
-    # for the source's #include "..." (keys.py).
-    pocl_dir = pocl_env.source_dir() if any(d.platform.name == POCL_PLATFORM_NAME for d in devs) else None
+    folder, doubt = _source_folder(devs)
     info = make_key(source_bytes, options_bytes, devs, include_path, kind=driver.kind,
-                    source_dir=None if pocl_dir is None else str(pocl_dir))
+                    source_dir=folder, source_dir_doubt=doubt)
     if info.uncertain is not None:
         # A header we cannot track for certain could change without changing the key.
         logger.info("asyncclcache: not caching a program: %s", info.uncertain)
@@ -110,6 +110,27 @@ def cached_build(
     cache.record_overhead(overhead)
     prg._build_duration_info = (descr, hit, duration)
     return prg
+
+
+def _source_folder(devices: Sequence[cl.Device]) -> tuple[str | None, str | None]:
+    """Where the compiler looks first for the source's own ``#include "..."`` (keys.py),
+    and a doubt about it, or ``None``."""
+    platforms = {d.platform.name for d in devices}
+    if platforms == {POCL_PLATFORM_NAME}:
+        # pocl compiles its copy of the source in its cache directory.
+        folder = pocl_env.source_dir()
+        return (None if folder is None else str(folder)), None
+    cwd = Job.caller_cwd()
+    if platforms == {NVIDIA_PLATFORM_NAME}:
+        # The working directory, before -I; and its compute cache sees the header's content
+        # (docs/design.md F19: benchmarks/probe/nvrules.py).
+        return cwd, None
+    if platforms == {RUSTICL_PLATFORM_NAME}:
+        return cwd, ("Mesa's shader cache keys rusticl's front end on the source and options, not on a "
+                     "header found beside the source: Mesa 22.3 and 26.1 return the old header's code "
+                     "(docs/design.md F20). Give its folder with -I")
+    return cwd, (f"whether {' and '.join(sorted(platforms))} looks for it there (the working directory) "
+                 "before the -I folders was not measured")
 
 
 def _from_entry(

@@ -42,7 +42,7 @@ import stat
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,7 +71,9 @@ __all__ = [
     "mark",
     "moved",
     "narrow",
+    "read_trusted",
     "restore",
+    "trusted_dir",
     "unrestore",
     "untrusted",
     "valid_file",
@@ -118,7 +120,7 @@ def untrusted(st: os.stat_result) -> str | None:
     return insecure(st, private_group_ok=True)
 
 
-def _trusted_dir(path: Path) -> bool:
+def trusted_dir(path: Path) -> bool:
     try:
         st = os.lstat(path)
     except OSError:
@@ -218,7 +220,7 @@ def narrow(
     names = set(kernels)
     pool = []
     for f, m in found:
-        if not (_trusted_dir(root / f.split("/")[0]) and _trusted_dir(root / f)):
+        if not (trusted_dir(root / f.split("/")[0]) and trusted_dir(root / f)):
             continue
         dirs = _kernel_dirs(root, f)
         if dirs is not None and dirs <= names:
@@ -315,7 +317,9 @@ def listing(root: Path, folders: Sequence[str]) -> frozenset[str]:
     return frozenset(out)
 
 
-def _read_trusted(path: str, budget: int) -> bytes:
+def read_trusted(path: str, budget: int) -> bytes:
+    """The content of a driver's cache file that passes :func:`untrusted`, without
+    following a link, at most ``min(MAX_FILE_BYTES, budget)`` bytes (else :class:`Lost`)."""
     fd = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK | CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
@@ -344,13 +348,13 @@ def folder_files(root: Path, folders: Sequence[str]) -> Snapshot:
     budget = MAX_ENTRY_BYTES
     for folder in folders:
         try:
-            if not _trusted_dir(root / folder.split("/")[0]):
+            if not trusted_dir(root / folder.split("/")[0]):
                 raise InsecurePathError(f"{folder.split('/')[0]} in pocl's kernel cache is not ours")
             data: list[tuple[str, bytes]] = []
             for rel, path in list(_walk(root, folder)):
                 if len(files) + len(data) >= MAX_FILES:
                     raise Lost(f"more than {MAX_FILES} files")
-                blob = _read_trusted(path, budget)
+                blob = read_trusted(path, budget)
                 budget -= len(blob)
                 data.append((rel, blob))
         except (InsecurePathError, Lost) as e:
@@ -404,8 +408,11 @@ def _open_dir(parent: int, name: str, made: list[str], rel: str) -> int:
     return fd
 
 
-def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> Placed:
-    """Write the ``files`` missing under ``root``; returns what was written.
+def restore(
+    root: Path, files: Sequence[str], blobs: Sequence[bytes], valid: Callable[[str], bool] = valid_file,
+) -> Placed:
+    """Write the ``files`` missing under ``root``; returns what was written. Every path
+    must pass ``valid`` (the layout's names), or nothing is written.
 
     Each file is a temp file hard-linked into place, so pocl never reads half a file
     and an existing file (pocl's own, or a racing writer's) is never replaced. No link
@@ -419,9 +426,10 @@ def restore(root: Path, files: Sequence[str], blobs: Sequence[bytes]) -> Placed:
     made: list[str] = []
     placed: list[tuple[str, int]] = []
     try:
+        bad = next((rel for rel in files if not valid(rel)), None)
+        if bad is not None:
+            raise OSError(errno.EINVAL, f"unsafe path in entry: {bad!r}")
         for rel, blob in zip(files, blobs, strict=True):
-            if not valid_file(rel):
-                raise OSError(errno.EINVAL, f"unsafe path in entry: {rel!r}")
             *parents, name = rel.split("/")
             path = ""
             for part in parents:

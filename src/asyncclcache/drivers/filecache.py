@@ -1,0 +1,372 @@
+"""Strategy ``kcache`` on drivers whose disk cache is content-addressed: NVIDIA's compute
+cache and Mesa's shader cache (rusticl). The files a build added to it are the entry.
+
+Both keep one file per cache item, named by a hash of what the driver compiled
+(``<x>/<y>/<hex>`` for NVIDIA, ``<xx>/<hex>`` for Mesa), so a file copied to a new node
+is used there exactly when the driver would have made the same file (docs/design.md
+F19, F20). The binary query's answer is not what a new node needs: PTX still runs the
+JIT, rusticl's SPIR-V still compiles at the first launch.
+
+* **Identify** (background thread): the files that appeared while the program was built
+  and first launched, by their ``ctime`` in the file system's own time base
+  (:class:`~asyncclcache.fsclock.FsClock`). The window ends where this process's next
+  build begins, so consecutive programs do not share files. A file that another build
+  (a thread, a rank) added in the same window is another valid cache file, not a wrong
+  one: the driver only ever opens the file its own hash names. So there is no probe;
+  only bounds (files, bytes) and the trust rules of pocl's cache: ours, writable by no
+  one else, regular, one link.
+* **Snapshot**: :attr:`Layout.settle` seconds after the build (NVIDIA writes at the
+  build; Mesa writes later, from its own thread, and at the first launches), or at a
+  step's end or ``flush()``.
+* **Hit**: write the missing files (temp file + link, never over an existing one, never
+  through a link), then the plain source build. The check runs in the background: a
+  file that the build added anyway means the driver did not use (all of) ours; it is
+  counted (``unused``), warned once, and at ``flush()``/exit the entry is rewritten with
+  what the driver added (files every program needs once per node, say).
+* **Left out**: the driver's bookkeeping (NVIDIA's and Mesa's ``index``; both make it
+  again), temp files (Mesa's ``*.tmp``), anything not named like an item.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import stat
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import BinaryRejectedWarning
+from ..fileio import InsecurePathError
+from ..fsclock import FsClock, clock_for
+from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
+from .kcache import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trusted_dir
+
+if TYPE_CHECKING:
+    from ..entry import Entry
+
+__all__ = ["MESA", "NVIDIA", "FileCacheDriver", "Layout", "added_files"]
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One driver's content-addressed cache: how its item files are named."""
+
+    name: str
+    #: What to call it in messages.
+    what: str
+    #: The relative path of an item file (``/``-separated); nothing else is stored.
+    pattern: re.Pattern[str]
+    #: Directory levels above an item file.
+    depth: int
+    #: Seconds after a build to wait for files the driver writes later.
+    settle: float
+
+    def valid(self, rel: str) -> bool:
+        return self.pattern.fullmatch(rel) is not None
+
+
+#: ``<x>/<y>/<14 hex>`` on driver 580, and a shared ``index`` (left out; made again).
+NVIDIA = Layout("nvidia", "NVIDIA's compute cache", re.compile(r"[0-9a-f]/[0-9a-f]/[0-9a-f]{8,64}"), 2, 0.5)
+#: ``<xx>/<38 hex>`` (Mesa 22.3) or ``<xx>/<62 hex>`` (Mesa 26.1), ``*.tmp`` while written.
+MESA = Layout("mesa", "Mesa's shader cache", re.compile(r"[0-9a-f]{2}/[0-9a-f]{30,126}"), 1, 3.0)
+
+
+def added_files(root: Path, layout: Layout, lo: float) -> dict[str, tuple[float, int]]:
+    """``{relative path: (ctime, inode)}`` of the item files created or renamed into
+    place at stamp ``lo`` or later. Only directories changed since ``lo`` are listed (a
+    new file changes its directory's stamp), so a large cache costs one stat per
+    directory. Files and directories of others, and links, are left out."""
+    out: dict[str, tuple[float, int]] = {}
+    level = [("", str(root))]
+    for _ in range(layout.depth):
+        below = []
+        for rel, path in level:
+            with contextlib.suppress(OSError), os.scandir(path) as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        below.append((f"{rel}{e.name}/", e.path))
+        level = below
+    for rel, path in level:
+        try:
+            st = os.lstat(path)
+            if max(st.st_mtime, st.st_ctime) < lo or not trusted_dir(Path(path)):
+                continue
+            with os.scandir(path) as it:
+                files = list(it)
+        except OSError:
+            continue
+        for e in files:
+            name = rel + e.name
+            if not layout.valid(name):
+                continue
+            try:
+                fst = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(fst.st_mode) and fst.st_ctime >= lo:
+                out[name] = (fst.st_ctime, fst.st_ino)
+    return out
+
+
+def read_files(root: Path, names: Sequence[str]) -> Snapshot:
+    """The content of ``names`` that we may trust, within :data:`MAX_FILES` and
+    :data:`MAX_ENTRY_BYTES`; one that breaks a rule or is gone is left out (and logged).
+    :class:`Lost` if none is left."""
+    files: list[str] = []
+    blobs: list[bytes] = []
+    budget = MAX_ENTRY_BYTES
+    refused = 0
+    for rel in sorted(names)[:MAX_FILES]:
+        try:
+            blob = read_trusted(str(root / rel), budget)
+        except (InsecurePathError, Lost) as e:
+            refused += 1
+            logger.warning("asyncclcache: not storing %s: %s", rel, e)
+            continue
+        except OSError:
+            continue  # evicted or replaced meanwhile
+        budget -= len(blob)
+        files.append(rel)
+        blobs.append(blob)
+    if not files:
+        raise Lost(f"no file of this build could be stored ({refused} refused)")
+    return Snapshot(blobs, files)
+
+
+@dataclass
+class _Watch:
+    """A hit, checked in the background: did its build add files anyway?"""
+
+    key: str
+    since: float  # time.time() before the restore
+    until: float  # time.time() after the build
+    placed: frozenset[int]  # inodes the restore wrote
+    files: frozenset[str]  # what the entry holds
+    due: float
+    added: frozenset[str] | None = None  # the answer
+
+
+class _Wait:
+    __slots__ = ("done", "due", "job")
+
+    def __init__(self, job: Job, done: Done, due: float) -> None:
+        self.job = job
+        self.done = done
+        self.due = due
+
+
+class FileCacheDriver(Driver):
+    """Snapshots a content-addressed driver cache on one background thread. Thread-safe.
+
+    ``root`` is the cache's directory as the driver found it when it started
+    (:func:`asyncclcache.cuda_env.locate`, :func:`asyncclcache.mesa_env.locate`),
+    fixed for the driver's life, as the driver keeps it.
+    """
+
+    kind = "kcache"
+    needs_program = False
+    refreshable = True
+    watches_hits = True
+
+    def __init__(self, root: Path, layout: Layout) -> None:
+        self.root = root
+        self.layout = layout
+        self.name = f"kcache-{layout.name}"
+        self.clock = FsClock(root)  # unmeasured (the worst case) until the thread measures
+        self._cond = threading.Condition()
+        self._waiting: list[_Wait] = []
+        self._watches: dict[str, _Watch] = {}
+        #: ``time.time()`` at the start of each build this process ran through us, sorted:
+        #: a window ends where the next build begins.
+        self._starts: list[float] = []
+        self._hurried_at = float("-inf")
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._warned: set[str] = set()
+        self.scans = 0
+        self.unused = 0  # hits whose build added files to the driver's cache anyway
+        self.left_out = 0  # files of a window beyond MAX_FILES
+
+    # {{{ caller's threads
+
+    def built(self, job: Job) -> None:
+        self._started(job.built_from)
+
+    def _started(self, t: float) -> None:
+        with self._cond:
+            self._starts.append(t)
+            if len(self._starts) > 1 and self._starts[-2] > t:
+                self._starts.sort()
+            del self._starts[:-4096]
+
+    def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
+        now = time.time()
+        with self._cond:
+            if self._closed:
+                done(None, Dropped(f"{self.name} driver closed"))
+                return
+            settle = purpose is Purpose.SNAPSHOT and job.built_to > self._hurried_at
+            due = max(job.built_to, now) + self.layout.settle if settle else now
+            self._waiting.append(_Wait(job, done, due))
+            self._start()
+            self._cond.notify()
+
+    def hurry(self) -> None:
+        now = time.time()
+        with self._cond:
+            self._hurried_at = now
+            for w in self._waiting:
+                w.due = min(w.due, now)
+            for h in self._watches.values():
+                h.due = min(h.due, now)
+            self._cond.notify()
+
+    def stale(self, jobs: Sequence[Job]) -> list[Job]:
+        # Hits whose build added files: their entries are rewritten with them.
+        with self._cond:
+            grown = {k: h.added for k, h in self._watches.items() if h.added}
+        return [j for j in jobs if j.key in grown and not grown[j.key] <= j.written_files]
+
+    def build_from_entry(self, entry: Entry, source: SourceBuild) -> Hit:
+        files = list(entry.meta.files or [])
+        bad = next((f for f in files if not self.layout.valid(f)), None)
+        if bad is not None:
+            return Hit(None, False, f"the entry holds {bad!r}, not a file of {self.layout.what}")
+        since = time.time()
+        self._started(since)
+        try:
+            placed = restore(self.root, files, entry.binaries, self.layout.valid)
+        except (OSError, ValueError) as e:
+            self._warn_once("restore", f"could not restore {self.layout.what} ({e}); built from source")
+            return Hit(source.build(), False, f"restore failed: {e}", (), blame_entry=False)
+        program = source.build()
+        until = time.time()
+        with self._cond:
+            if not self._closed:
+                self._watches[entry.key] = _Watch(
+                    entry.key, since, until, frozenset(ino for _, ino in placed.files), frozenset(files),
+                    due=until + self.layout.settle,
+                )
+                while len(self._watches) > 4096:
+                    del self._watches[next(iter(self._watches))]
+                self._start()
+                self._cond.notify()
+        return Hit(program, True, "", ())
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+            thread = self._thread
+            self._cond.notify()
+        for w in waiting:
+            w.done(None, Dropped("dropped at close"))
+        if thread is not None:
+            thread.join(timeout if timeout is not None else 5.0)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        with self._cond:
+            if what in self._warned:
+                logger.info("asyncclcache: %s", message)
+                return
+            self._warned.add(what)
+        warnings.warn(f"asyncclcache: {message}", BinaryRejectedWarning, stacklevel=5)
+
+    # }}}
+
+    # {{{ background thread
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"asyncclcache-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.time()
+                due = [w for w in self._waiting if w.due <= now]
+                checks = [h for h in self._watches.values() if h.added is None and h.due <= now]
+                if not (self._closed or due or checks):
+                    pending = [w.due for w in self._waiting] + [
+                        h.due for h in self._watches.values() if h.added is None]
+                    self._cond.wait(min(POLL_SECONDS, max(0.0, min(pending) - now)) if pending else None)
+                    continue
+                if self._closed:
+                    return
+                taken = {id(w) for w in due}
+                self._waiting = [w for w in self._waiting if id(w) not in taken]
+            t0 = time.thread_time()
+            self.clock = clock_for(str(self.root)) or self.clock
+            lo = min([self._lo(w.job.built_from) for w in due] + [self._lo(h.since) for h in checks])
+            self.scans += 1
+            added = added_files(self.root, self.layout, lo)
+            reports = [self._snapshot(w, added) for w in due]
+            for h in checks:
+                self._check(h, added)
+            if self.on_cpu is not None:
+                self.on_cpu(time.thread_time() - t0)
+            for done, snap, error in reports:
+                done(snap, error)
+
+    def _lo(self, t: float) -> float:
+        return self.clock.since(t)
+
+    def _end(self, built_to: float) -> float | None:
+        """``time.time()`` at which this process's next build began (``None``: none yet)."""
+        with self._cond:
+            return next((s for s in self._starts if s > built_to), None)
+
+    def _window(self, added: dict[str, tuple[float, int]], since: float, until: float | None) -> list[str]:
+        lo = self._lo(since)
+        hi = float("inf") if until is None else self.clock.until(until)
+        return [rel for rel, (ctime, _) in added.items() if lo <= ctime <= hi]
+
+    def _snapshot(
+        self, w: _Wait, added: dict[str, tuple[float, int]],
+    ) -> tuple[Done, Snapshot | None, BaseException | None]:
+        job = w.job
+        try:
+            watch = self._watches.get(job.key)
+            if watch is not None and watch.added:
+                names = sorted(watch.files | watch.added)  # a hit's entry, with what the build added
+            else:
+                names = self._window(added, job.built_from, self._end(job.built_to))
+                if not names:
+                    raise Lost(f"no file appeared in {self.layout.what} ({self.root}) during this build")
+                if len(names) > MAX_FILES:
+                    self.left_out += len(names) - MAX_FILES
+            snap = read_files(self.root, names)
+        except BaseException as e:  # noqa: BLE001 - reported through done
+            return w.done, None, e
+        job.queried_at = time.time()
+        return w.done, snap, None
+
+    def _check(self, h: _Watch, added: dict[str, tuple[float, int]]) -> None:
+        new = frozenset(
+            rel for rel in self._window(added, h.since, self._end(h.until))
+            if rel not in h.files and added[rel][1] not in h.placed
+        )
+        h.added = new
+        if new:
+            self.unused += 1
+            self._warn_once(
+                "unused",
+                f"a build from the stored files of {h.key[:12]} added {len(new)} file(s) to "
+                f"{self.layout.what} ({self.root}): the driver did not use all of ours (another driver "
+                "version, or files it needs once per node). The entry is rewritten with them at flush",
+            )
+
+    # }}}
+
