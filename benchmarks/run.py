@@ -112,7 +112,7 @@ class Runner:
         """A new node: empty driver kernel caches and an empty pyopencl invoker cache."""
         d = self.fresh("node")
         return {"POCL_CACHE_DIR": f"{d}/pocl", "CUDA_CACHE_PATH": f"{d}/cuda",
-                "XDG_CACHE_HOME": f"{d}/xdg"}
+                "MESA_SHADER_CACHE_DIR": f"{d}/mesa", "XDG_CACHE_HOME": f"{d}/xdg"}
 
     def env(self, variant: str | None, node: dict[str, str] | None = None,
             **extra: str) -> dict[str, str]:
@@ -123,7 +123,8 @@ class Runner:
             for k, v in os.environ.items()
             if not k.startswith(("ASYNCCLCACHE_", "PYOPENCL_"))
             and k not in ("POCL_CACHE_DIR", "XDG_CACHE_HOME", "CUDA_CACHE_PATH",
-                          "CUDA_CACHE_DISABLE")
+                          "CUDA_CACHE_DISABLE", "MESA_SHADER_CACHE_DIR", "MESA_GLSL_CACHE_DIR",
+                          "MESA_SHADER_CACHE_DISABLE", "MESA_GLSL_CACHE_DISABLE")
         }
         if "PYOPENCL_CTX" in os.environ:
             env["PYOPENCL_CTX"] = os.environ["PYOPENCL_CTX"]
@@ -298,7 +299,7 @@ def describe(runner: Runner) -> dict[str, Any]:
         info[k] = r.get(k)
     info["env"] = {k: v for k, v in sorted(os.environ.items())
                    if k in ("PYOPENCL_CTX", "POCL_DEVICES", "POCL_MAX_PTHREAD_COUNT",
-                            "CUDA_CACHE_DISABLE", "OCL_ICD_VENDORS")}
+                            "CUDA_CACHE_DISABLE", "OCL_ICD_VENDORS", "RUSTICL_ENABLE")}
     info["python_executable"] = runner.python
     info["loadavg_start"] = os.getloadavg()
     return info

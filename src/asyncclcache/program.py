@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 import warnings
@@ -70,7 +71,10 @@ def cached_build(
     source = prg._source
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
     driver = cache.driver_for(devs)
-    folder, doubt = _source_folder(devs)
+    folder, doubt = _source_folder(devs, options_bytes)
+    if doubt is not None and include_path[:1] == ["."]:
+        # pyopencl's "." stands for the folder beside the source: the doubt is about it.
+        include_path = include_path[1:]
     info = make_key(source_bytes, options_bytes, devs, include_path, kind=driver.kind,
                     source_dir=folder, source_dir_doubt=doubt)
     if info.uncertain is not None:
@@ -112,9 +116,10 @@ def cached_build(
     return prg
 
 
-def _source_folder(devices: Sequence[cl.Device]) -> tuple[str | None, str | None]:
+def _source_folder(devices: Sequence[cl.Device], options: bytes) -> tuple[str | None, str | None]:
     """Where the compiler looks first for the source's own ``#include "..."`` (keys.py),
-    and a doubt about it, or ``None``."""
+    and a doubt about it, or ``None``. (Then pyopencl's include path: ``.`` and the ``-I``
+    folders, the order pocl, NVIDIA and rusticl were measured to search.)"""
     platforms = {d.platform.name for d in devices}
     if platforms == {POCL_PLATFORM_NAME}:
         # pocl compiles its copy of the source in its cache directory.
@@ -122,15 +127,15 @@ def _source_folder(devices: Sequence[cl.Device]) -> tuple[str | None, str | None
         return (None if folder is None else str(folder)), None
     cwd = Job.caller_cwd()
     if platforms == {NVIDIA_PLATFORM_NAME}:
-        # The working directory, before -I; and its compute cache sees the header's content
-        # (docs/design.md F19: benchmarks/probe/nvrules.py).
+        # Its compute cache sees a header's content (docs/design.md F19; benchmarks/probe/nvrules.py).
         return cwd, None
     if platforms == {RUSTICL_PLATFORM_NAME}:
-        return cwd, ("Mesa's shader cache keys rusticl's front end on the source and options, not on a "
-                     "header found beside the source: Mesa 22.3 and 26.1 return the old header's code "
-                     "(docs/design.md F20). Give its folder with -I")
-    return cwd, (f"whether {' and '.join(sorted(platforms))} looks for it there (the working directory) "
-                 "before the -I folders was not measured")
+        if re.search(rb"(?:^|\s)-I", options):
+            return cwd, None  # pyopencl always adds one: then Mesa 22.3 and 26.1 see headers
+        return cwd, ("with no -I option, Mesa's shader cache keys rusticl's front end on the source and "
+                     "options, not the header (docs/design.md F20)")
+    return cwd, (f"whether {' and '.join(sorted(platforms))} looks for it in the working directory "
+                 "was not measured")
 
 
 def _from_entry(

@@ -17,7 +17,8 @@ JIT, rusticl's SPIR-V still compiles at the first launch.
   one else, regular, one link.
 * **Snapshot**: :attr:`Layout.settle` seconds after the build (NVIDIA writes at the
   build; Mesa writes later, from its own thread, and at the first launches), or at a
-  step's end or ``flush()``.
+  step's end or ``flush()``. At ``flush()`` and exit an entry whose window gained files
+  since (a first launch that compiled for longer) is rewritten with them.
 * **Hit**: write the missing files (temp file + link, never over an existing one, never
   through a link), then the plain source build. The check runs in the background: a
   file that the build added anyway means the driver did not use (all of) ours; it is
@@ -46,7 +47,7 @@ from ..errors import BinaryRejectedWarning
 from ..fileio import InsecurePathError
 from ..fsclock import FsClock, clock_for
 from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
-from .kcache import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trusted_dir
+from .kcache import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trusted_dir, untrusted
 
 if TYPE_CHECKING:
     from ..entry import Entry
@@ -86,7 +87,8 @@ def added_files(root: Path, layout: Layout, lo: float) -> dict[str, tuple[float,
     """``{relative path: (ctime, inode)}`` of the item files created or renamed into
     place at stamp ``lo`` or later. Only directories changed since ``lo`` are listed (a
     new file changes its directory's stamp), so a large cache costs one stat per
-    directory. Files and directories of others, and links, are left out."""
+    directory. What we may not trust (:func:`~.kcache.untrusted`: another owner, writable
+    by others, a second link) and symbolic links are left out."""
     out: dict[str, tuple[float, int]] = {}
     level = [("", str(root))]
     for _ in range(layout.depth):
@@ -114,7 +116,7 @@ def added_files(root: Path, layout: Layout, lo: float) -> dict[str, tuple[float,
                 fst = e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(fst.st_mode) and fst.st_ctime >= lo:
+            if stat.S_ISREG(fst.st_mode) and fst.st_ctime >= lo and untrusted(fst) is None:
                 out[name] = (fst.st_ctime, fst.st_ino)
     return out
 
@@ -233,10 +235,19 @@ class FileCacheDriver(Driver):
             self._cond.notify()
 
     def stale(self, jobs: Sequence[Job]) -> list[Job]:
-        # Hits whose build added files: their entries are rewritten with them.
+        """Hits whose build added files, and builds whose window gained files since their
+        snapshot (Mesa compiles at the first launch, which may end long after it): their
+        entries are rewritten with them. One scan (flush, exit)."""
         with self._cond:
-            grown = {k: h.added for k, h in self._watches.items() if h.added}
-        return [j for j in jobs if j.key in grown and not grown[j.key] <= j.written_files]
+            grown = {k: h.added for k, h in self._watches.items() if h.added is not None}
+        out = [j for j in jobs if grown.get(j.key) and not grown[j.key] <= j.written_files]
+        built = [j for j in jobs if j.key not in grown and j.built_to and j.written_files]
+        if built:
+            self.clock = clock_for(str(self.root)) or self.clock
+            added = added_files(self.root, self.layout, min(self._lo(j.built_from) for j in built))
+            out += [j for j in built
+                    if not set(self._window(added, j.built_from, self._end(j.built_to))) <= j.written_files]
+        return out
 
     def build_from_entry(self, entry: Entry, source: SourceBuild) -> Hit:
         files = list(entry.meta.files or [])

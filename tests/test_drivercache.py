@@ -1,0 +1,385 @@
+"""The driver's own cache as the entry on content-addressed caches (issue 19): Mesa's shader
+cache on real rusticl (``RUSTICL_ENABLE=llvmpipe``, where ``mesa-opencl-icd`` is installed),
+and the rules of where NVIDIA's and Mesa's caches live.
+
+Every scenario with rusticl runs in fresh processes: a new node is a child with an empty
+``MESA_SHADER_CACHE_DIR``, as Mesa reads it once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncclcache import cuda_env, mesa_env
+from asyncclcache.drivers.filecache import MESA, NVIDIA, added_files
+from asyncclcache.keys import UncertainIncludes, find_include_deps
+
+# {{{ where the caches live (pure rules; the values were measured on the drivers)
+
+HOME = pwd.getpwuid(os.getuid()).pw_dir
+
+
+@pytest.mark.parametrize(("env", "root"), [
+    ({"HOME": "/h"}, "/h/.nv/ComputeCache"),
+    ({"HOME": "/h", "XDG_CACHE_HOME": "/x"}, "/h/.nv/ComputeCache"),  # XDG is not read
+    ({"CUDA_CACHE_PATH": "/c", "HOME": "/h"}, "/c"),
+    ({"CUDA_CACHE_PATH": "/c", "CUDA_CACHE_DISABLE": "0"}, "/c"),
+    ({"CUDA_CACHE_PATH": "/c", "CUDA_CACHE_DISABLE": "true"}, "/c"),  # only "1" turned it off
+    ({"CUDA_CACHE_PATH": "/c", "CUDA_CACHE_DISABLE": ""}, "/c"),
+    ({"CUDA_CACHE_PATH": "/c", "CUDA_CACHE_DISABLE": "1"}, None),
+    ({"CUDA_CACHE_PATH": "/c", "CUDA_CACHE_DISABLE": "01"}, None),  # not measured: unknown
+    ({"CUDA_CACHE_PATH": "rel/c"}, None),  # not where the driver put it
+    ({"CUDA_CACHE_PATH": ""}, None),
+    ({}, None),  # no HOME
+    ({"HOME": ""}, None),
+])
+def test_cuda_cache_place_as_measured(env: dict[str, str], root: str | None) -> None:
+    got, why = cuda_env.locate(env)
+    assert got == (None if root is None else Path(root))
+    assert bool(why) == (root is None)
+
+
+@pytest.mark.parametrize(("env", "root"), [
+    ({"MESA_SHADER_CACHE_DIR": "/m"}, "/m/mesa_shader_cache"),
+    ({"MESA_GLSL_CACHE_DIR": "/g"}, "/g/mesa_shader_cache"),
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_GLSL_CACHE_DIR": "/g"}, "/m/mesa_shader_cache"),
+    ({"XDG_CACHE_HOME": "/x"}, "/x/mesa_shader_cache"),
+    ({"HOME": HOME}, f"{HOME}/.cache/mesa_shader_cache"),
+    ({"HOME": "/elsewhere"}, None),  # Mesa 22.3 reads the password database, 26.1 HOME
+    ({}, None),
+    ({"MESA_SHADER_CACHE_DIR": "rel"}, None),
+    ({"MESA_SHADER_CACHE_DIR": ""}, None),
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_SHADER_CACHE_DISABLE": "1"}, None),
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_SHADER_CACHE_DISABLE": "TRUE"}, None),
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_SHADER_CACHE_DISABLE": "no"}, "/m/mesa_shader_cache"),
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_SHADER_CACHE_DISABLE": "maybe"}, "/m/mesa_shader_cache"),
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_GLSL_CACHE_DISABLE": "y"}, None),
+    # MESA_SHADER_CACHE_DISABLE set wins over the old name, as in Mesa.
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_SHADER_CACHE_DISABLE": "0", "MESA_GLSL_CACHE_DISABLE": "1"},
+     "/m/mesa_shader_cache"),
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_DISK_CACHE_DATABASE": "1"}, None),  # Mesa-DB
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_DISK_CACHE_SINGLE_FILE": "t"}, None),  # Fossilize
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_DISK_CACHE_MULTI_FILE": "0"}, None),
+    ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_DISK_CACHE_MULTI_FILE": "1"}, "/m/mesa_shader_cache"),
+])
+def test_mesa_cache_place_as_mesa_finds_it(env: dict[str, str], root: str | None) -> None:
+    got, why = mesa_env.locate(env)
+    assert got == (None if root is None else Path(root))
+    assert bool(why) == (root is None)
+
+
+def test_layout_names() -> None:
+    assert NVIDIA.valid("a/3/14a594ddd6299d") and not NVIDIA.valid("index")
+    assert not NVIDIA.valid("a/3/../x") and not NVIDIA.valid("a/3/14a594ddd6299d.tmp")
+    assert MESA.valid("8c/0f9fa9ab0acc6df7c1239bf87d5c16317d7af4")  # Mesa 22.3
+    assert MESA.valid("7f/7a1634cb16407e72c53de21ab611686a35c04e1679492d7fecbf6cf0e13b4e")  # 26.1
+    assert not MESA.valid("7f/7a1634cb16407e72c53de21ab611686a35c04e1679492d7fecbf6cf0e13b4e.tmp")
+    assert not MESA.valid("index") and not MESA.valid("7f/.acc-tmp-0011")
+
+
+def test_added_files_takes_only_trusted_items_of_the_window(tmp_path: Path) -> None:
+    root = tmp_path / "mesa_shader_cache"
+    (root / "ab").mkdir(parents=True)
+    old = root / "ab" / ("1" * 38)
+    old.write_bytes(b"old")
+    os.utime(root / "ab", (1, 1))
+    lo = time.time() - 1  # the coarse stamps of some file systems: a second of leeway
+    time.sleep(1.1)
+    (root / "cd").mkdir()
+    new = root / "cd" / ("2" * 38)
+    new.write_bytes(b"new")
+    (root / "cd" / ("3" * 38 + ".tmp")).write_bytes(b"partial")
+    (root / "index").write_bytes(b"i")
+    shared = root / "cd" / ("4" * 38)
+    shared.write_bytes(b"x")
+    shared.chmod(0o666)  # writable by others: never stored
+    (root / "cd" / ("5" * 38)).symlink_to(new)
+    os.link(new, root / "cd" / ("6" * 38))  # a second link: never stored
+    got = added_files(root, MESA, lo + 1)
+    assert set(got) == set(), "a file with two links, or writable by others, was taken"
+    os.unlink(root / "cd" / ("6" * 38))
+    got = added_files(root, MESA, lo + 1)
+    # The old file was made before the window; the temp file, the index, the link and the
+    # file writable by others are never items of ours.
+    assert set(got) == {f"cd/{'2' * 38}"}
+
+
+# }}}
+
+# {{{ includes: what rusticl's own cache would not see is not cached
+
+
+def test_header_beside_the_source_is_uncertain_where_in_doubt(tmp_path: Path) -> None:
+    (tmp_path / "h.h").write_text("#define VAL 1\n")
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "h.h").write_text("#define VAL 2\n")
+    src = b'#include "h.h"\n'
+    with pytest.raises(UncertainIncludes, match="doubt"):
+        find_include_deps(src, [], source_dir=str(tmp_path), source_dir_doubt="doubt")
+    with pytest.raises(UncertainIncludes, match="doubt"):  # -I would find another file
+        find_include_deps(src, [str(tmp_path / "inc")], source_dir=str(tmp_path), source_dir_doubt="doubt")
+    # -I naming the same folder: the same file either way.
+    deps = find_include_deps(src, [str(tmp_path)], source_dir=str(tmp_path), source_dir_doubt="doubt")
+    assert [Path(d.path).name for d in deps] == ["h.h"]
+    # No doubt (NVIDIA: its cache sees headers): the file beside the source is the one.
+    deps = find_include_deps(src, [str(tmp_path / "inc")], source_dir=str(tmp_path))
+    assert deps[0].path == str(tmp_path / "h.h")
+
+
+# }}}
+
+# {{{ real rusticl
+
+_RUSTICL = r'''
+import json, os, sys, time
+import numpy as np, pyopencl as cl
+import asyncclcache as acc
+plats = [p for p in cl.get_platforms() if p.name == "rusticl"]
+devs = plats[0].get_devices() if plats else []
+print(json.dumps({"devices": [d.name for d in devs]}))
+'''
+
+
+def _rusticl_env(mesa: Path | None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MESA_", "ASYNCCLCACHE_")) and k not in ("PYOPENCL_CTX",)}
+    env["RUSTICL_ENABLE"] = "llvmpipe"
+    if mesa is not None:
+        env["MESA_SHADER_CACHE_DIR"] = str(mesa)
+    env["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _have_rusticl() -> bool:
+    if shutil.which("true") is None:  # pragma: no cover
+        return False
+    proc = subprocess.run([sys.executable, "-c", _RUSTICL], env=_rusticl_env(None), capture_output=True,
+                          text=True, timeout=120, check=False)
+    try:
+        return bool(json.loads(proc.stdout.splitlines()[-1])["devices"])
+    except (IndexError, ValueError, KeyError):
+        return False
+
+
+rusticl = pytest.mark.skipif(not _have_rusticl(), reason="Mesa's rusticl (mesa-opencl-icd) is not installed")
+
+NODE = r'''
+import json, os, sys, threading, time
+import numpy as np, pyopencl as cl
+import asyncclcache as acc
+args = json.loads(sys.argv[1])
+plat = [p for p in cl.get_platforms() if p.name == "rusticl"][0]
+ctx = cl.Context(plat.get_devices()); q = cl.CommandQueue(ctx)
+cache = acc.Cache(args["dir"])
+def source(c):
+    return ("__kernel void k(__global float *a) { int i = get_global_id(0); float x = a[i];"
+            " for (int j = 0; j < 32; ++j) x = x * 0.999f + sin(x + j); a[i] = x + %s; }" % c)
+def run(src, opts=()):
+    prg = acc.Program(ctx, src, cache=cache).build(options=list(opts))
+    a = np.zeros(64, np.float32)
+    buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=a)
+    prg.k(q, (64,), None, buf); cl.enqueue_copy(q, a, buf); q.finish()
+    return float(a[0])
+t = time.perf_counter()
+if args.get("threads"):
+    vals = [None] * len(args["consts"])
+    def one(i, c):
+        vals[i] = run(source(c))
+    ts = [threading.Thread(target=one, args=(i, c)) for i, c in enumerate(args["consts"])]
+    [x.start() for x in ts]; [x.join() for x in ts]
+elif "include" in args:
+    vals = [run('#include "h.h"\n__kernel void k(__global float *a) { a[get_global_id(0)] = VAL; }',
+                args["include"])]
+else:
+    vals = [run(source(c)) for c in args["consts"]]
+first = time.perf_counter() - t
+cache.flush()
+d = cache.driver_for(ctx.devices)
+st = cache.stats()
+print(json.dumps({"vals": vals, "first": first, "strategy": d.name, "hits": st.hits, "misses": st.misses,
+                  "writes": st.writes, "uncacheable": st.uncacheable, "rejected": st.rejected,
+                  "errors": st.errors, "unused": getattr(d, "unused", None), "refreshes": st.refreshes}))
+'''
+
+
+def _node(cache: Path, mesa: Path, cwd: Path | None = None, **args: Any) -> dict[str, Any]:
+    args["dir"] = str(cache)
+    extra = args.pop("env", {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(NODE), json.dumps(args)],
+                          env=_rusticl_env(mesa, **extra), capture_output=True, text=True,
+                          timeout=300, check=False, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _items(mesa: Path) -> set[str]:
+    root = mesa / "mesa_shader_cache"
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and MESA.valid(str(p.relative_to(root)))}
+
+
+def _entries(cache: Path) -> list[Any]:
+    from asyncclcache.store import Store
+
+    store = Store(cache)
+    out = []
+    for path in sorted(store.root.rglob("*.acl")):
+        entry, _ = store.lookup(path.stem, None)
+        if entry is not None:
+            out.append(entry)
+    return out
+
+
+@rusticl
+def test_new_node_hit_adds_no_file_and_is_checked(tmp_path: Path) -> None:
+    cold = _node(tmp_path / "acc", tmp_path / "m1", consts=["1.0"])
+    assert cold["strategy"] == "kcache-mesa" and cold["misses"] == 1 and cold["writes"] == 1, cold
+    [entry] = _entries(tmp_path / "acc")
+    assert entry.kind == "kcache" and set(entry.meta.files) <= _items(tmp_path / "m1")
+    assert entry.meta.files, "the entry holds Mesa's files of the build"
+
+    warm = _node(tmp_path / "acc", tmp_path / "m2", consts=["1.0"])
+    assert warm["hits"] == 1 and warm["misses"] == 0 and warm["vals"] == cold["vals"], warm
+    # The new node's cache holds exactly what was restored: the driver compiled nothing.
+    assert _items(tmp_path / "m2") == set(entry.meta.files)
+    assert warm["unused"] == 0 and warm["refreshes"] == 0
+
+
+@rusticl
+def test_a_hit_whose_files_were_not_enough_is_counted_and_completed(tmp_path: Path) -> None:
+    from asyncclcache.entry import Entry
+    from asyncclcache.store import Store
+
+    _node(tmp_path / "acc", tmp_path / "m1", consts=["2.0"])
+    [entry] = _entries(tmp_path / "acc")
+    assert len(entry.meta.files) >= 2, entry.meta.files
+    # Leave one file out of the entry: the driver must make it again at the hit.
+    kept = entry.meta.files[1:]
+    meta = entry.meta.replace(files=list(kept)) if hasattr(entry.meta, "replace") else None
+    if meta is None:
+        import dataclasses
+
+        meta = dataclasses.replace(entry.meta, files=list(kept))
+    store = Store(tmp_path / "acc")
+    claim = store.claim(entry.key)
+    assert claim is not None
+    store.publish(Entry(entry.key, entry.binaries[1:], meta), claim=claim)
+    claim.release()
+
+    warm = _node(tmp_path / "acc", tmp_path / "m2", consts=["2.0"])
+    assert warm["hits"] == 1 and warm["unused"] == 1, warm
+    [again] = _entries(tmp_path / "acc")
+    assert set(again.meta.files) == set(entry.meta.files), "the entry is completed at flush"
+    third = _node(tmp_path / "acc", tmp_path / "m3", consts=["2.0"])
+    assert third["hits"] == 1 and third["unused"] == 0
+    assert _items(tmp_path / "m3") == set(entry.meta.files)
+
+
+@rusticl
+def test_driver_cache_off_stores_the_binary(tmp_path: Path) -> None:
+    off = {"MESA_SHADER_CACHE_DISABLE": "1"}
+    cold = _node(tmp_path / "acc", tmp_path / "m1", consts=["3.0"], env=off)
+    assert cold["strategy"] == "thread" and cold["writes"] == 1, cold
+    assert not (tmp_path / "m1" / "mesa_shader_cache").exists()
+    [entry] = _entries(tmp_path / "acc")
+    assert entry.kind == "binary"
+    warm = _node(tmp_path / "acc", tmp_path / "m2", consts=["3.0"], env=off)
+    assert warm["hits"] == 1 and warm["vals"] == cold["vals"]
+    db = _node(tmp_path / "acc2", tmp_path / "m3", consts=["3.0"], env={"MESA_DISK_CACHE_DATABASE": "1"})
+    assert db["strategy"] == "thread"
+    info = subprocess.run([sys.executable, "-m", "asyncclcache", "info", "--json"],
+                          env=_rusticl_env(tmp_path / "m4", MESA_DISK_CACHE_DATABASE="1"),
+                          capture_output=True, text=True, timeout=120, check=True)
+    [row] = [p for p in json.loads(info.stdout)["platforms"] if p["name"] == "rusticl"]
+    assert row["strategy"] == "thread" and "Mesa-DB" in row["reason"]
+
+
+@rusticl
+def test_two_programs_built_at_once_each_get_their_files(tmp_path: Path) -> None:
+    consts = ["4.0", "5.0"]
+    cold = _node(tmp_path / "acc", tmp_path / "m1", consts=consts, threads=True)
+    assert cold["misses"] == 2 and cold["writes"] == 2, cold
+    entries = _entries(tmp_path / "acc")
+    assert len(entries) == 2 and all(e.meta.files for e in entries)
+    # Each program alone on a new node: a hit, and the driver compiles nothing.
+    for i, c in enumerate(consts):
+        warm = _node(tmp_path / "acc", tmp_path / f"n{i}", consts=[c])
+        assert warm["hits"] == 1 and warm["vals"] == [cold["vals"][i]], warm
+        assert warm["unused"] == 0
+
+
+@rusticl
+def test_foreign_or_damaged_files_are_refused(tmp_path: Path) -> None:
+    from asyncclcache.entry import Entry
+    from asyncclcache.store import Store
+
+    mesa = tmp_path / "m1"
+    _node(tmp_path / "acc", mesa, consts=["6.0"])
+    [entry] = _entries(tmp_path / "acc")
+    # An entry that names a file outside Mesa's layout is refused at the hit, before anything
+    # is written, and rebuilt.
+    import dataclasses
+
+    bad = dataclasses.replace(entry.meta, files=["zz/" + "0" * 38, *entry.meta.files[1:]])
+    store = Store(tmp_path / "acc")
+    claim = store.claim(entry.key)
+    assert claim is not None
+    store.publish(Entry(entry.key, entry.binaries, bad), claim=claim)
+    claim.release()
+    warm = _node(tmp_path / "acc", tmp_path / "m2", consts=["6.0"])
+    assert warm["hits"] == 0 and warm["rejected"] == 1, warm
+    assert not any(p.name.startswith("zz") for p in (tmp_path / "m2" / "mesa_shader_cache").iterdir())
+
+    # Files writable by others in the driver's cache are never stored.
+    shared = tmp_path / "m3"
+    (shared / "mesa_shader_cache").mkdir(parents=True)
+    os.chmod(shared / "mesa_shader_cache", 0o777)
+    mode = os.umask(0)
+    try:
+        cold = _node(tmp_path / "acc3", shared, consts=["7.0"])
+    finally:
+        os.umask(mode)
+    entries = _entries(tmp_path / "acc3")
+    for e in entries:
+        for rel in e.meta.files:
+            assert not (os.stat(shared / "mesa_shader_cache" / rel).st_mode & 0o002)
+    assert cold["vals"]
+
+
+@rusticl
+def test_header_rules_on_rusticl(tmp_path: Path) -> None:
+    # pyopencl always passes -I (its own headers); with one, Mesa 22.3 keeps no front end
+    # in its cache and Mesa 26.1 sees the header: the header beside the source (the working
+    # directory, searched first) is in our key, and a change reaches the new node.
+    work = tmp_path / "work"
+    (work / "inc").mkdir(parents=True)
+    (work / "h.h").write_text("#define VAL 1\n")
+    (work / "inc" / "h.h").write_text("#define VAL 9\n")  # shadowed by ./h.h
+    inc = ["-I", str(work / "inc")]
+    r = _node(tmp_path / "acc", tmp_path / "m1", cwd=work, include=inc)
+    assert r["uncacheable"] == 0 and r["writes"] == 1 and r["vals"] == [1.0], r
+    (work / "h.h").write_text("#define VAL 2\n")
+    r = _node(tmp_path / "acc", tmp_path / "m1", cwd=work, include=inc)  # the same node
+    assert r["hits"] == 0 and r["vals"] == [2.0], r
+    r = _node(tmp_path / "acc", tmp_path / "m2", cwd=work, include=inc)  # a new node
+    assert r["hits"] == 1 and r["vals"] == [2.0], r
+    (work / "h.h").write_text("#define VAL 1\n")
+    r = _node(tmp_path / "acc", tmp_path / "m3", cwd=work, include=inc)
+    assert r["hits"] == 1 and r["vals"] == [1.0], r
+    (work / "h.h").unlink()
+    r = _node(tmp_path / "acc", tmp_path / "m4", cwd=work, include=inc)
+    assert r["hits"] == 0 and r["vals"] == [9.0], r
+
+
+# }}}
