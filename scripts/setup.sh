@@ -14,6 +14,13 @@ if ! dpkg -s pocl-opencl-icd >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq pocl-opencl-icd ocl-icd-libopencl1 >/dev/null
 fi
 
+# The tests also run on Mesa's rusticl (a second real driver, RUSTICL_ENABLE=llvmpipe) where
+# Debian has it: mesa-opencl-icd, where we may install it.
+if [[ ",$extras," == *",test,"* ]] && ! dpkg -s mesa-opencl-icd >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+    echo "setup: installing Debian's mesa-opencl-icd (rusticl, for the tests)" >&2
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-opencl-icd >/dev/null || true
+fi
+
 # The tests mount an ext4 with 1-second stamps (mkfs.ext4 -I 128): e2fsprogs, where we may install it.
 if [[ ",$extras," == *",test,"* ]] && ! command -v mkfs.ext4 >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
     echo "setup: installing Debian's e2fsprogs (for the tests' 1-second file system)" >&2

@@ -325,21 +325,36 @@ def test_foreign_or_damaged_files_are_refused(tmp_path: Path) -> None:
     from asyncclcache.store import Store
 
     mesa = tmp_path / "m1"
-    _node(tmp_path / "acc", mesa, consts=["6.0"])
+    [entry_val] = _node(tmp_path / "acc", mesa, consts=["6.0"])["vals"]
     [entry] = _entries(tmp_path / "acc")
-    # An entry that names a file outside Mesa's layout is refused at the hit, before anything
-    # is written, and rebuilt.
     import dataclasses
 
-    bad = dataclasses.replace(entry.meta, files=["zz/" + "0" * 38, *entry.meta.files[1:]])
     store = Store(tmp_path / "acc")
-    claim = store.claim(entry.key)
-    assert claim is not None
-    store.publish(Entry(entry.key, entry.binaries, bad), claim=claim)
-    claim.release()
+
+    def plant(first: str) -> None:
+        bad = dataclasses.replace(entry.meta, files=[first, *entry.meta.files[1:]])
+        claim = store.claim(entry.key)
+        assert claim is not None
+        store.publish(Entry(entry.key, entry.binaries, bad), claim=claim)
+        claim.release()
+
+    # A file of another driver's layout (NVIDIA's) is refused by Mesa's at the hit, before
+    # anything is written, and rebuilt; the entry is replaced by this build's own.
+    plant("0/0/" + "0" * 14)
     warm = _node(tmp_path / "acc", tmp_path / "m2", consts=["6.0"])
-    assert warm["hits"] == 0 and warm["rejected"] == 1, warm
-    assert not any(p.name.startswith("zz") for p in (tmp_path / "m2" / "mesa_shader_cache").iterdir())
+    assert warm["hits"] == 0 and warm["rejected"] == 1 and warm["vals"] == [entry_val], warm
+    assert not (tmp_path / "m2" / "mesa_shader_cache" / "0").exists()
+    # A name that no driver's layout has is a damaged entry: dropped at the lookup, rebuilt.
+    plant("zz/" + "0" * 38)
+    from asyncclcache.errors import CorruptEntryWarning
+
+    with pytest.warns(CorruptEntryWarning, match="unsafe kernel-cache path"):
+        assert store.lookup(entry.key, None) == (None, None)
+    assert not store.path_for(entry.key).exists()
+    plant("zz/" + "0" * 38)
+    warm = _node(tmp_path / "acc", tmp_path / "m5", consts=["6.0"])
+    assert warm["hits"] == 0 and warm["misses"] == 1 and warm["vals"] == [entry_val], warm
+    assert not any(p.name.startswith("zz") for p in (tmp_path / "m5" / "mesa_shader_cache").iterdir())
 
     # Files writable by others in the driver's cache are never stored.
     shared = tmp_path / "m3"

@@ -41,6 +41,7 @@ __all__ = [
     "layout_problem",
     "read_meta",
     "valid_kcache_file",
+    "valid_pocl_file",
 ]
 
 #: What an entry holds: per-device binaries, or pocl kernel-cache files (``meta["files"]``).
@@ -99,26 +100,32 @@ _CHECKS: dict[str, Any] = {
 }
 #: Temp files of ours inside pocl's kernel-cache folders (never part of an entry).
 KCACHE_TMP_PREFIX = ".acc-tmp-"
-# pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; NVIDIA's cache cuts <1>/<1>/<14>,
-# Mesa's <2>/<38 or 62>: some leeway, nothing odd.
-_FOLDER_RE = (re.compile(r"[A-Za-z0-9]{1,2}"), re.compile(r"[A-Za-z0-9]{1,128}"))
+# pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
+_FOLDER_RE = (re.compile(r"[A-Za-z0-9]{2}"), re.compile(r"[A-Za-z0-9]{8,128}"))
 # A kernel name, a variant (``64-1-1-goffs0-smallgrid``) or a file; never ``.``/``..``.
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
+# NVIDIA's compute cache (<1>/<1>/<14 hex>) and Mesa's shader cache (<2>/<38 or 62 hex>).
+_ITEM_RE = re.compile(r"[0-9a-f]/[0-9a-f]/[0-9a-f]{8,64}|[0-9a-f]{2}/[0-9a-f]{30,126}")
 
 
-def valid_kcache_file(rel: str) -> bool:
-    """True for the relative paths of a driver's cache: ``XX/<hash>/<name>`` and
-    ``XX/<hash>/<kernel>/<variant>/<name>`` (pocl), ``x/y/<hex>`` (NVIDIA), ``xx/<hex>``
-    (Mesa): plain names, no ``..``, no absolute path, no temp file of ours. What a
-    ``kcache`` entry may hold (checked before anything is written; each driver's layout
-    checks its own names again)."""
+def valid_pocl_file(rel: str) -> bool:
+    """True for ``XX/<hash>/<name>`` and ``XX/<hash>/<kernel>/<variant>/<name>``-like
+    paths of pocl's kernel cache: plain names, no ``..``, no absolute path, no temp
+    file of ours."""
     parts = rel.split("/")
-    if not 2 <= len(parts) <= 6:
+    if not 3 <= len(parts) <= 6:
         return False
     if not (_FOLDER_RE[0].fullmatch(parts[0]) and _FOLDER_RE[1].fullmatch(parts[1])):
         return False
-    names_ok = all(_NAME_RE.fullmatch(p) for p in parts[1:])
+    names_ok = all(_NAME_RE.fullmatch(p) for p in parts[2:])
     return names_ok and not parts[-1].startswith(KCACHE_TMP_PREFIX)
+
+
+def valid_kcache_file(rel: str) -> bool:
+    """What a ``kcache`` entry may hold (checked before anything is written): a path of
+    pocl's kernel cache (:func:`valid_pocl_file`) or an item of NVIDIA's or Mesa's cache.
+    Each driver's layout checks its own names again at a restore."""
+    return valid_pocl_file(rel) or _ITEM_RE.fullmatch(rel) is not None
 
 
 #: Framing fields that :func:`encode` adds and :func:`decode` checks; not metadata.

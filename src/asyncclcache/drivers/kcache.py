@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import pocl_env
 from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
-from ..entry import valid_kcache_file as valid_file
+from ..entry import valid_pocl_file as valid_file
 from ..errors import BinaryRejectedWarning
 from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError, insecure
 from ..fsclock import EPS, FsClock, clock_for
