@@ -257,6 +257,22 @@ def test_new_node_hit_adds_no_file_and_is_checked(tmp_path: Path) -> None:
 
 
 @rusticl
+def test_hits_in_a_row_are_not_taken_for_files_the_driver_added(tmp_path: Path) -> None:
+    # Each hit's check window reaches back by the clock's margin: the files that the hit
+    # before it restored are not files the driver added (no warning, no rewrite).
+    consts = ["1.5", "1.75", "1.25", "1.125"]
+    cold = _node(tmp_path / "acc", tmp_path / "m1", consts=consts)
+    assert cold["writes"] >= len(consts) and cold["misses"] == len(consts), cold
+    entries = _entries(tmp_path / "acc")
+    # Windows end where the next build begins: no entry holds the others' files.
+    assert max(len(e.meta.files) for e in entries) < sum(len(e.meta.files) for e in entries)
+    warm = _node(tmp_path / "acc", tmp_path / "m2", consts=consts)
+    assert warm["hits"] == len(consts) and warm["vals"] == cold["vals"], warm
+    assert warm["unused"] == 0 and warm["writes"] == 0 and warm["refreshes"] == 0, warm
+    assert _items(tmp_path / "m2") == set().union(*(e.meta.files for e in entries))
+
+
+@rusticl
 def test_a_hit_whose_files_were_not_enough_is_counted_and_completed(tmp_path: Path) -> None:
     from asyncclcache.entry import Entry
     from asyncclcache.store import Store

@@ -72,6 +72,9 @@ class Layout:
     depth: int
     #: Seconds after a build to wait for files the driver writes later.
     settle: float
+    #: Seconds a hurried snapshot or check still waits: what the driver hands to a writer
+    #: thread of its own (Mesa's ``disk_cache_put`` queue) lands a little after the launch.
+    grace: float = 0.0
 
     def valid(self, rel: str) -> bool:
         return self.pattern.fullmatch(rel) is not None
@@ -80,7 +83,7 @@ class Layout:
 #: ``<x>/<y>/<14 hex>`` on driver 580, and a shared ``index`` (left out; made again).
 NVIDIA = Layout("nvidia", "NVIDIA's compute cache", re.compile(r"[0-9a-f]/[0-9a-f]/[0-9a-f]{8,64}"), 2, 0.5)
 #: ``<xx>/<38 hex>`` (Mesa 22.3) or ``<xx>/<62 hex>`` (Mesa 26.1), ``*.tmp`` while written.
-MESA = Layout("mesa", "Mesa's shader cache", re.compile(r"[0-9a-f]{2}/[0-9a-f]{30,126}"), 1, 3.0)
+MESA = Layout("mesa", "Mesa's shader cache", re.compile(r"[0-9a-f]{2}/[0-9a-f]{30,126}"), 1, 3.0, 0.3)
 
 
 def added_files(root: Path, layout: Layout, lo: float) -> dict[str, tuple[float, int]]:
@@ -193,6 +196,9 @@ class FileCacheDriver(Driver):
         #: a window ends where the next build begins.
         self._starts: list[float] = []
         self._hurried_at = float("-inf")
+        #: Every name a restore of this process placed: a hit's check must not take the files
+        #: that another hit restored in its window for files the driver added (bounded).
+        self._restored: dict[str, None] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
         self._warned: set[str] = set()
@@ -204,6 +210,8 @@ class FileCacheDriver(Driver):
 
     def built(self, job: Job) -> None:
         self._started(job.built_from)
+        with self._cond:
+            self._start()  # measures the file system's clock before the first snapshot
 
     def _started(self, t: float) -> None:
         with self._cond:
@@ -228,25 +236,36 @@ class FileCacheDriver(Driver):
         now = time.time()
         with self._cond:
             self._hurried_at = now
+            soon = now + self.layout.grace
             for w in self._waiting:
-                w.due = min(w.due, now)
+                w.due = min(w.due, soon)
             for h in self._watches.values():
-                h.due = min(h.due, now)
+                h.due = min(h.due, soon)
             self._cond.notify()
 
     def stale(self, jobs: Sequence[Job]) -> list[Job]:
         """Hits whose build added files, and builds whose window gained files since their
         snapshot (Mesa compiles at the first launch, which may end long after it): their
         entries are rewritten with them. One scan (flush, exit)."""
+        keys = {j.key for j in jobs}
+        with self._cond:
+            checks = [h for k, h in self._watches.items() if k in keys and h.added is None]
+        built = [j for j in jobs if j.key not in self._watches and j.built_to and j.written_files]
+        added: dict[str, tuple[float, int]] = {}
+        if checks or built:
+            # One scan for the hits not checked yet (flush and exit do not wait for the
+            # thread) and the builds whose window may have grown.
+            time.sleep(max(0.0, min(self._hurried_at + self.layout.grace - time.time(), self.layout.grace)))
+            self.clock = clock_for(str(self.root)) or self.clock
+            lo = min([self._lo(h.since) for h in checks] + [self._lo(j.built_from) for j in built])
+            added = added_files(self.root, self.layout, lo)
+            for h in checks:
+                self._check(h, added)
         with self._cond:
             grown = {k: h.added for k, h in self._watches.items() if h.added is not None}
         out = [j for j in jobs if grown.get(j.key) and not grown[j.key] <= j.written_files]
-        built = [j for j in jobs if j.key not in grown and j.built_to and j.written_files]
-        if built:
-            self.clock = clock_for(str(self.root)) or self.clock
-            added = added_files(self.root, self.layout, min(self._lo(j.built_from) for j in built))
-            out += [j for j in built
-                    if not set(self._window(added, j.built_from, self._end(j.built_to))) <= j.written_files]
+        out += [j for j in built
+                if not set(self._window(added, j.built_from, self._end(j.built_to))) <= j.written_files]
         return out
 
     def build_from_entry(self, entry: Entry, source: SourceBuild) -> Hit:
@@ -264,6 +283,9 @@ class FileCacheDriver(Driver):
         program = source.build()
         until = time.time()
         with self._cond:
+            self._restored.update(dict.fromkeys(rel for rel, _ in placed.files))
+            while len(self._restored) > 65536:
+                del self._restored[next(iter(self._restored))]
             if not self._closed:
                 self._watches[entry.key] = _Watch(
                     entry.key, since, until, frozenset(ino for _, ino in placed.files), frozenset(files),
@@ -304,6 +326,7 @@ class FileCacheDriver(Driver):
             self._thread.start()
 
     def _run(self) -> None:
+        self.clock = clock_for(str(self.root)) or self.clock
         while True:
             with self._cond:
                 now = time.time()
@@ -365,11 +388,14 @@ class FileCacheDriver(Driver):
         return w.done, snap, None
 
     def _check(self, h: _Watch, added: dict[str, tuple[float, int]]) -> None:
-        new = frozenset(
-            rel for rel in self._window(added, h.since, self._end(h.until))
-            if rel not in h.files and added[rel][1] not in h.placed
-        )
-        h.added = new
+        with self._cond:
+            new = frozenset(
+                rel for rel in self._window(added, h.since, self._end(h.until))
+                if rel not in h.files and added[rel][1] not in h.placed and rel not in self._restored
+            )
+            if h.added is not None:
+                return  # checked meanwhile (the thread, or stale())
+            h.added = new
         if new:
             self.unused += 1
             self._warn_once(
