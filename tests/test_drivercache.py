@@ -74,7 +74,7 @@ def test_cuda_cache_place_as_measured(env: dict[str, str], root: str | None) -> 
     ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_DISK_CACHE_MULTI_FILE": "1"}, "/m/mesa_shader_cache"),
 ])
 def test_mesa_cache_place_as_mesa_finds_it(env: dict[str, str], root: str | None) -> None:
-    got, why = mesa_env.locate(env)
+    got, why = mesa_env.locate(env, release=(26, 1))
     assert got == (None if root is None else Path(root))
     assert bool(why) == (root is None)
 
@@ -113,6 +113,29 @@ def test_added_files_takes_only_trusted_items_of_the_window(tmp_path: Path) -> N
     # The old file was made before the window; the temp file, the index, the link and the
     # file writable by others are never items of ours.
     assert set(got) == {f"cd/{'2' * 38}"}
+
+
+@pytest.mark.parametrize(("release", "env", "multi"), [
+    ((22, 3), {}, True),
+    ((26, 1), {}, True),
+    ((25, 0), {}, False),  # Debian 13: Mesa-DB unless told
+    ((25, 0), {"MESA_DISK_CACHE_DATABASE": "0"}, False),  # not enough there, as measured
+    ((25, 0), {"MESA_DISK_CACHE_MULTI_FILE": "1"}, True),
+    ((24, 1), {}, None),  # not measured: the binary, with the reason
+    (None, {}, None),
+    ((24, 1), {"MESA_DISK_CACHE_MULTI_FILE": "true"}, True),
+    ((26, 1), {"MESA_DISK_CACHE_MULTI_FILE": "0"}, False),
+    ((25, 0), {"MESA_DISK_CACHE_MULTI_FILE": "1", "MESA_DISK_CACHE_DATABASE": "1"}, False),
+])
+def test_mesa_layout_default_per_release(
+    release: tuple[int, int] | None, env: dict[str, str], multi: bool | None,
+) -> None:
+    got, why = mesa_env.locate({"MESA_SHADER_CACHE_DIR": "/m", **env}, release=release)
+    assert (got is not None) == bool(multi), why
+    if multi is None:
+        assert "not measured" in why
+    assert mesa_env.mesa_release("25.0.7-2+deb13u1") == (25, 0)
+    assert mesa_env.mesa_release("22.3.6") == (22, 3) and mesa_env.mesa_release("rusticl") is None
 
 
 # }}}
@@ -155,6 +178,9 @@ def _rusticl_env(mesa: Path | None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MESA_", "ASYNCCLCACHE_")) and k not in ("PYOPENCL_CTX",)}
     env["RUSTICL_ENABLE"] = "llvmpipe"
+    # Mesa 25.0 (Debian 13) keeps a Mesa-DB database unless told: one file per item on every
+    # release (22.3 does not read it, 26.1 has it on by default).
+    env["MESA_DISK_CACHE_MULTI_FILE"] = "1"
     if mesa is not None:
         env["MESA_SHADER_CACHE_DIR"] = str(mesa)
     env["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + env.get("PYTHONPATH", "")

@@ -280,7 +280,7 @@ class Cache:
         with self._lock:
             d = self._drivers.get(name)
             if d is None:
-                d = make_driver(name, self._workers)
+                d = make_driver(name, self._workers, devices)
                 d.on_cpu = lambda s: self._counters.add("background_cpu_seconds", s)
                 self._drivers[name] = d
             self._driver_by_devices[ids] = d

@@ -84,7 +84,7 @@ def driver_cache(devices: Sequence[cl.Device]) -> tuple[str | None, Path | None,
             "files that a new node uses as they are, where the binary (PTX) still runs the JIT "
             "(docs/design.md F19)")
     if platform == RUSTICL_PLATFORM_NAME:
-        root, why = mesa_env.locate()
+        root, why = mesa_env.locate(release=_mesa_release(devices))
         if root is None:
             return None, None, why
         return "kcache-mesa", root, (
@@ -92,6 +92,11 @@ def driver_cache(devices: Sequence[cl.Device]) -> tuple[str | None, Path | None,
             "content-addressed files that a new node uses as they are, where the binary (SPIR-V) "
             "still compiles (docs/design.md F20)")
     return None, None, f"{platform} has no disk cache whose layout asyncclcache knows"
+
+
+def _mesa_release(devices: Sequence[cl.Device]) -> tuple[int, int] | None:
+    releases = {mesa_env.mesa_release(d.driver_version) for d in devices}
+    return releases.pop() if len(releases) == 1 else None
 
 
 def auto_strategy(devices: Sequence[cl.Device]) -> str:
@@ -112,7 +117,7 @@ def resolve_strategy(requested: str, devices: Sequence[cl.Device]) -> str:
     return requested
 
 
-def make_driver(name: str, workers: Workers) -> Driver:
+def make_driver(name: str, workers: Workers, devices: Sequence[cl.Device] = ()) -> Driver:
     """A new driver ``name`` (as :func:`resolve_strategy` gives it); in-process strategies
     run on the cache's ``workers``. A driver cache's directory is fixed now, for the
     driver's life, as the OpenCL driver fixes it when it starts."""
@@ -127,7 +132,7 @@ def make_driver(name: str, workers: Workers) -> Driver:
         from .filecache import MESA, NVIDIA, FileCacheDriver
 
         nvidia = name == "kcache-nvidia"
-        root, why = cuda_env.locate() if nvidia else mesa_env.locate()
+        root, why = cuda_env.locate() if nvidia else mesa_env.locate(release=_mesa_release(devices))
         if root is None:
             raise ValueError(f"strategy kcache: {why}")
         return FileCacheDriver(root, NVIDIA if nvidia else MESA)
