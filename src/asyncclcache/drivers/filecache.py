@@ -196,9 +196,10 @@ class FileCacheDriver(Driver):
         #: a window ends where the next build begins.
         self._starts: list[float] = []
         self._hurried_at = float("-inf")
-        #: Every name a restore of this process placed: a hit's check must not take the files
-        #: that another hit restored in its window for files the driver added (bounded).
-        self._restored: dict[str, None] = {}
+        #: Every name of an entry this process hit (placed by its restore or found there): a
+        #: hit's check must not take a file that another hit restored, or that an entry holds
+        #: and the driver made at start-up, for a file the driver added for it (bounded).
+        self._known: dict[str, None] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
         self._warned: set[str] = set()
@@ -283,9 +284,9 @@ class FileCacheDriver(Driver):
         program = source.build()
         until = time.time()
         with self._cond:
-            self._restored.update(dict.fromkeys(rel for rel, _ in placed.files))
-            while len(self._restored) > 65536:
-                del self._restored[next(iter(self._restored))]
+            self._known.update(dict.fromkeys(files))
+            while len(self._known) > 65536:
+                del self._known[next(iter(self._known))]
             if not self._closed:
                 self._watches[entry.key] = _Watch(
                     entry.key, since, until, frozenset(ino for _, ino in placed.files), frozenset(files),
@@ -391,7 +392,7 @@ class FileCacheDriver(Driver):
         with self._cond:
             new = frozenset(
                 rel for rel in self._window(added, h.since, self._end(h.until))
-                if rel not in h.files and added[rel][1] not in h.placed and rel not in self._restored
+                if rel not in h.files and added[rel][1] not in h.placed and rel not in self._known
             )
             if h.added is not None:
                 return  # checked meanwhile (the thread, or stale())
