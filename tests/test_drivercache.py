@@ -138,6 +138,23 @@ def test_mesa_layout_default_per_release(
     assert mesa_env.mesa_release("22.3.6") == (22, 3) and mesa_env.mesa_release("rusticl") is None
 
 
+def test_a_file_written_after_its_directory_changed_is_in_every_scan(tmp_path: Path) -> None:
+    # NVIDIA writes some items for a few ms after creating them: the file's ctime is later
+    # than its directory's stamp. Whether it lies in a window must not depend on the lower
+    # bound the scan was made for (a scan for an earlier window listed the directory).
+    root = tmp_path / "cc"
+    (root / "a" / "3").mkdir(parents=True)
+    item = root / "a" / "3" / "14a594ddd6299d"
+    item.write_bytes(b"x")
+    time.sleep(0.3)
+    with item.open("ab") as f:
+        f.write(b"y")  # ctime moves; the directory's stamp does not
+    lo = item.stat().st_ctime - 0.01
+    assert max(os.stat(item.parent).st_mtime, os.stat(item.parent).st_ctime) < lo
+    assert set(added_files(root, NVIDIA, lo)) == {"a/3/14a594ddd6299d"}
+    assert set(added_files(root, NVIDIA, lo - 1)) == {"a/3/14a594ddd6299d"}
+
+
 # }}}
 
 # {{{ includes: what rusticl's own cache would not see is not cached
