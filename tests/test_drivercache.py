@@ -155,6 +155,28 @@ def test_a_file_written_after_its_directory_changed_is_in_every_scan(tmp_path: P
     assert set(added_files(root, NVIDIA, lo - 1)) == {"a/3/14a594ddd6299d"}
 
 
+def test_files_beyond_an_entrys_bound_are_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from asyncclcache.drivers import filecache
+
+    root = tmp_path / "mesa_shader_cache"
+    names = [f"{i:02x}/{'0' * 38}" for i in range(3)]
+    t0 = time.time()
+    for n in names:
+        (root / n).parent.mkdir(parents=True, exist_ok=True)
+        (root / n).write_bytes(n.encode())
+    monkeypatch.setattr(filecache, "MAX_FILES", 2)
+    driver = filecache.FileCacheDriver(root, MESA)
+    counted: list[tuple[str, float]] = []
+    driver.on_count = lambda name, n: counted.append((name, n))
+    job = SimpleNamespace(key="k" * 64, built_from=t0 - 1, built_to=t0 + 1, queried_at=None)
+    added = added_files(root, MESA, t0 - 5)
+    _, snap, error = driver._snapshot(filecache._Wait(job, lambda *a: None, 0.0), added)  # type: ignore[arg-type]
+    assert error is None and snap is not None and snap.files == names[:2]
+    assert driver.left_out == 1 and counted == [("left_out", 1)]
+
+
 # }}}
 
 # {{{ includes: what rusticl's own cache would not see is not cached
@@ -253,7 +275,8 @@ d = cache.driver_for(ctx.devices)
 st = cache.stats()
 print(json.dumps({"vals": vals, "first": first, "strategy": d.name, "hits": st.hits, "misses": st.misses,
                   "writes": st.writes, "uncacheable": st.uncacheable, "rejected": st.rejected,
-                  "errors": st.errors, "unused": getattr(d, "unused", None), "refreshes": st.refreshes}))
+                  "errors": st.errors, "unused": getattr(d, "unused", None), "refreshes": st.refreshes,
+                  "incomplete": st.incomplete_hits, "left_out": st.left_out}))
 '''
 
 
@@ -354,7 +377,7 @@ def test_a_hit_whose_files_were_not_enough_is_counted_and_completed(tmp_path: Pa
     claim.release()
 
     warm = _node(tmp_path / "acc", tmp_path / "m2", consts=["2.0"])
-    assert warm["hits"] == 1 and warm["unused"] == 1, warm
+    assert warm["hits"] == 1 and warm["unused"] == 1 and warm["incomplete"] == 1, warm
     [again] = _entries(tmp_path / "acc")
     assert set(again.meta.files) == set(entry.meta.files), "the entry is completed at flush"
     third = _node(tmp_path / "acc", tmp_path / "m3", consts=["2.0"])

@@ -282,6 +282,7 @@ class Cache:
             if d is None:
                 d = make_driver(name, self._workers, devices)
                 d.on_cpu = lambda s: self._counters.add("background_cpu_seconds", s)
+                d.on_count = self._counters.add
                 self._drivers[name] = d
             self._driver_by_devices[ids] = d
             return d

@@ -45,6 +45,8 @@ class Stats:
     rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
     unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
     uncacheable: int = 0  # builds not cached: an #include that cannot be resolved for certain
+    incomplete_hits: int = 0  # driver caches: hits after which the driver wrote files anyway
+    left_out: int = 0  # driver caches: files of a build beyond an entry's bound (not stored)
     errors: int = 0  # background failures (logged)
     evictions: int = 0  # entries removed to keep the directory under max_size
     seconds_saved: float = 0.0  # estimated compile time that hits avoided
@@ -64,7 +66,7 @@ class Stats:
         extra = [
             f"{getattr(self, name)} {name.replace('_', ' ')}"
             for name in ("warmups", "refreshes", "skipped", "rejected", "uncacheable",
-                         "unidentified", "write_errors", "errors")
+                         "unidentified", "incomplete_hits", "left_out", "write_errors", "errors")
             if getattr(self, name)
         ]
         return text + (f" ({', '.join(extra)})" if extra else "")

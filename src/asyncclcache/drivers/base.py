@@ -175,6 +175,13 @@ class Driver(ABC):
     watches_hits: bool = False
     #: Set by the cache: receives the CPU seconds the driver's own threads spent.
     on_cpu: Callable[[float], None] | None = None
+    #: Set by the cache: adds to one of its counters (a :class:`~asyncclcache.stats.Stats` field).
+    on_count: Callable[[str, float], None] | None = None
+
+    def count(self, name: str, n: float = 1) -> None:
+        """Add ``n`` to the cache's counter ``name``, where a cache listens."""
+        if self.on_count is not None:
+            self.on_count(name, n)
 
     def built(self, job: Job) -> None:  # noqa: B027 - optional hook
         """A miss was just built (caller's thread, must be cheap): start early work."""

@@ -211,7 +211,7 @@ class FileCacheDriver(Driver):
         self._warned: set[str] = set()
         self.scans = 0
         self.unused = 0  # hits whose build added files to the driver's cache anyway
-        self.left_out = 0  # files of a window beyond MAX_FILES
+        self.left_out = 0  # files of a window not stored: bounds, trust rules, gone meanwhile
 
     # {{{ caller's threads
 
@@ -386,9 +386,11 @@ class FileCacheDriver(Driver):
                 names = self._window(added, job.built_from, self._end(job.built_to))
                 if not names:
                     raise Lost(f"no file appeared in {self.layout.what} ({self.root}) during this build")
-                if len(names) > MAX_FILES:
-                    self.left_out += len(names) - MAX_FILES
             snap = read_files(self.root, names)
+            left = len(names) - len(snap.files or ())  # beyond the bounds, refused, or gone
+            if left:
+                self.left_out += left
+                self.count("left_out", left)
         except BaseException as e:  # noqa: BLE001 - reported through done
             return w.done, None, e
         job.queried_at = time.time()
@@ -405,6 +407,7 @@ class FileCacheDriver(Driver):
             h.added = new
         if new:
             self.unused += 1
+            self.count("incomplete_hits")
             self._warn_once(
                 "unused",
                 f"a build from the stored files of {h.key[:12]} added {len(new)} file(s) to "
