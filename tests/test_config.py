@@ -185,3 +185,17 @@ def test_bad_setting_is_a_usage_error_in_the_cli(tmp_path: Any) -> None:
         r = subprocess.run([sys.executable, "-m", "asyncclcache", "info", "--dir", str(tmp_path)],
                            capture_output=True, text=True, env=env, timeout=60, check=False)
         assert r.returncode == 2 and var in r.stderr and "Traceback" not in r.stderr
+
+
+def test_explicit_arguments_win_over_the_environment(tmp_path: Any) -> None:
+    code = r"""
+import json, sys
+import asyncclcache as acc
+given = acc.Cache(sys.argv[1], strategy="auto", workers=1)
+env = acc.Cache(sys.argv[1])
+print(json.dumps([given.strategy, given._nworkers, env.strategy, env._nworkers]))
+given.close(); env.close()
+"""
+    env = {"ASYNCCLCACHE_STRATEGY": "sync", "ASYNCCLCACHE_WORKERS": "3"}
+    assert child_json(run_child(code, str(tmp_path), env=env)) == ["auto", 1, "sync", 3]
+    assert child_json(run_child(code, str(tmp_path))) == ["auto", 1, "auto", 1]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncclcache import maintenance
 from asyncclcache.store import Store
 from conftest import ROOT, child_json, run_child
 
@@ -265,7 +266,7 @@ def test_claim_of_a_killed_process_expires(cache_dir):
     s = after["stats"]
     assert (s["misses"], s["skipped"], s["writes"]) == (1, 0, 1)
     store = Store(cache_dir, rank_local=False)
-    temps, _locks = store.orphans()
+    temps, _locks = maintenance.orphans(store)
     assert temps == []
     assert [e.key for e in store.entries()]
     again = child_json(run_child(CONTENDER, str(cache_dir)))

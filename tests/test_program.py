@@ -10,6 +10,7 @@ import pyopencl as cl
 import pytest
 
 import asyncclcache as acc
+from asyncclcache import maintenance
 from asyncclcache.store import Store
 from conftest import child_json, run_child, run_in_threads
 from kernels import VALUE_CHILD, run_twice, small_source
@@ -305,7 +306,7 @@ print(driver.helper_pid, time.time(), flush=True)
         warnings.simplefilter("error")
         for e in store.entries():  # whatever is there is complete
             assert store.load(e.key) is not None
-    temps, _locks = store.orphans()
+    temps, _locks = maintenance.orphans(store)
     assert temps == []
 
 

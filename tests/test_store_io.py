@@ -36,6 +36,7 @@ from _store_helpers import (  # noqa: F401 (the fixtures: pytest finds them here
     make_entry,
     store_fixture,
 )
+from asyncclcache import maintenance
 from asyncclcache.entry import Entry, encode
 from asyncclcache.errors import CorruptEntryWarning
 from asyncclcache.keys import FORMAT_VERSION, make_key
@@ -256,7 +257,7 @@ def test_eight_processes_publish_the_same_keys(cache_dir: Path) -> None:
         assert 0 <= w < nproc
         assert entry.binaries == ((b"writer %d key %d;" % (w, i)) * 3000,)
     assert leftovers(cache_dir) == []
-    assert store.orphans() == ([], [])
+    assert maintenance.orphans(store) == ([], [])
 
 
 def test_threads_publish_the_same_keys(store: Store, cache_dir: Path) -> None:

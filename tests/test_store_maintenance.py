@@ -30,6 +30,7 @@ from _store_helpers import (  # noqa: F401 (the fixtures: pytest finds them here
     make_entry,
     store_fixture,
 )
+from asyncclcache import maintenance
 from asyncclcache.entry import encode
 from asyncclcache.maintenance import TEMP_MAX_AGE
 from asyncclcache.store import (
@@ -111,14 +112,14 @@ def test_killed_writer_leaves_no_visible_entry(killed_writer: tuple[str, Path]) 
     assert 0 < tmp.stat().st_size < len(encode(make_entry(key, b"killed writer " * 5000)))
     lock = tmp.parent / f"{key}{LOCK_SUFFIX}"
     assert lock.exists()  # the killed writer could not clean up its lock file
-    temps, locks = store.orphans()
+    temps, locks = maintenance.orphans(store)
     assert temps == [tmp]
     assert locks == [lock]
-    assert store.sweep() == 2
+    assert maintenance.sweep(store) == 2
     assert not tmp.exists()
     assert not lock.exists()
-    assert store.orphans() == ([], [])
-    assert store.sweep() == 0
+    assert maintenance.orphans(store) == ([], [])
+    assert maintenance.sweep(store) == 0
 
 
 def test_lock_of_killed_writer_does_not_block(killed_writer: tuple[str, Path]) -> None:
@@ -131,8 +132,8 @@ def test_lock_of_killed_writer_does_not_block(killed_writer: tuple[str, Path]) -
     assert store.load(key, IDENT).binaries == (b"after the kill",)
     assert not lock.exists()  # the next writer removed it
     assert tmp.exists()  # only sweep removes another writer's temp file
-    assert store.orphans() == ([tmp], [])
-    assert store.sweep() == 1
+    assert maintenance.orphans(store) == ([tmp], [])
+    assert maintenance.sweep(store) == 1
     assert leftovers(store.base) == []
     assert store.load(key, IDENT).binaries == (b"after the kill",)  # sweep kept the entry
 
@@ -145,7 +146,7 @@ def test_sweep_running_alongside_never_makes_a_claim_skip(store: Store) -> None:
 
     def sweeper() -> None:
         while not stop.is_set():
-            sweeps.append(store.sweep())
+            sweeps.append(maintenance.sweep(store))
 
     t = threading.Thread(target=sweeper)
     t.start()
@@ -162,7 +163,7 @@ def test_sweep_running_alongside_never_makes_a_claim_skip(store: Store) -> None:
         t.join()
     assert len(sweeps) > 10  # the sweep really ran alongside
     assert skipped == 0
-    assert store.orphans() == ([], [])
+    assert maintenance.orphans(store) == ([], [])
 
 
 def test_held_lock_means_skip(store: Store, cache_dir: Path) -> None:
@@ -175,8 +176,8 @@ def test_held_lock_means_skip(store: Store, cache_dir: Path) -> None:
     try:
         assert store.publish(make_entry(key)) is PublishResult.SKIPPED
         assert store.load(key) is None
-        assert store.orphans() == ([], [])  # a held lock is no orphan
-        assert store.sweep() == 0
+        assert maintenance.orphans(store) == ([], [])  # a held lock is no orphan
+        assert maintenance.sweep(store) == 0
         assert lock_path.exists()
     finally:
         other.release()
@@ -197,7 +198,7 @@ def test_claim_holds_the_key_across_publish(store: Store) -> None:
         assert store.publish(make_entry(key, b"other")) is PublishResult.SKIPPED
         assert store.publish(make_entry(key, b"mine"), claim=claim) is PublishResult.WRITTEN
         assert store.claim(key) is None  # still held after the write
-        assert store.orphans() == ([], [])
+        assert maintenance.orphans(store) == ([], [])
     finally:
         claim.release()
     claim.release()  # idempotent
@@ -242,11 +243,11 @@ def test_orphan_rules_for_temp_files(store: Store) -> None:
     local_dead.write_bytes(b"x")
     unrelated = fanout / "notes.txt"
     unrelated.write_bytes(b"x")
-    temps, locks = store.orphans()
+    temps, locks = maintenance.orphans(store)
     assert sorted(temps) == sorted([gone, old, local_dead])
     assert remote not in temps
     assert locks == []
-    assert store.sweep() == 3
+    assert maintenance.sweep(store) == 3
     assert mine.exists() and remote.exists()
     assert unrelated.exists()
     assert store.path_for(key).exists()

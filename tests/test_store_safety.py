@@ -36,6 +36,7 @@ from _store_helpers import (  # noqa: F401 (the fixtures: pytest finds them here
     make_entry,
     store_fixture,
 )
+from asyncclcache import maintenance
 from asyncclcache.entry import encode
 from asyncclcache.errors import CacheDirWarning, InsecureCacheWarning
 from asyncclcache.keys import FORMAT_VERSION
@@ -109,8 +110,8 @@ def _assert_disabled(store: Store) -> None:
         assert store.load(key) is None
         assert store.publish(make_entry(key)) is PublishResult.DISABLED
         assert list(store.entries()) == []
-        assert store.orphans() == ([], [])
-        assert store.sweep() == 0
+        assert maintenance.orphans(store) == ([], [])
+        assert maintenance.sweep(store) == 0
     assert record == []  # warned once, at open
 
 
@@ -213,7 +214,7 @@ def test_populated_cache_made_read_only(tmpfs: Callable[[str], Path]) -> None:
     assert store.load(key_of("ro"), IDENT) is not None
     assert store.claim(key_of("other")) is None
     assert store.publish(make_entry(key_of("other"))) is PublishResult.DISABLED
-    assert store.sweep() == 0
+    assert maintenance.sweep(store) == 0
 
 
 def test_full_file_system(tmpfs: Callable[[str], Path]) -> None:
@@ -459,7 +460,7 @@ def test_entry_with_two_hard_links_is_not_loaded(store: Store, tmp_path: Path) -
     os.link(store.path_for(key), tmp_path / "elsewhere")
     with pytest.warns(InsecureCacheWarning, match="hard links"):
         assert store.load(key, IDENT) is None
-    assert [b for _, b in store.verify()] and "hard links" in store.verify()[0][1]
+    assert [b for _, b in maintenance.verify(store)] and "hard links" in maintenance.verify(store)[0][1]
     (tmp_path / "elsewhere").unlink()
     assert store.load(key, IDENT) is not None
 

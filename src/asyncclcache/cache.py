@@ -85,9 +85,12 @@ class Cache:
 
     :arg directory: root directory (default ``ASYNCCLCACHE_DIR`` or the user cache dir).
     :arg rank_local: one subdirectory per MPI rank (default: yes, under MPI).
-    :arg strategy: ``auto``, ``kcache`` (pocl's kernel-cache folder), ``process`` (pocl
-        helper and binary query), ``thread`` or ``sync``.
-    :arg workers: background writer threads.
+    :arg strategy: ``auto``, ``kcache`` (the driver's own cache: pocl's kernel-cache folder,
+        NVIDIA's compute cache, Mesa's shader cache), ``process`` (pocl helper and binary
+        query), ``thread`` or ``sync``. Default (``None``): ``ASYNCCLCACHE_STRATEGY``, else
+        ``auto``.
+    :arg workers: background writer threads. Default (``None``): ``ASYNCCLCACHE_WORKERS``,
+        else 1. An explicit argument always wins over the environment.
     :arg max_size: bound of the directory in bytes (or ``"500M"``); least recently used
         entries are evicted by the background writer. Default ``ASYNCCLCACHE_MAX_SIZE``.
     :arg exit_timeout: seconds :meth:`close` (and interpreter exit) waits for pending work.
@@ -101,18 +104,17 @@ class Cache:
         directory: str | os.PathLike[str] | None = None,
         *,
         rank_local: bool | None = None,
-        strategy: str = "auto",
-        workers: int = 1,
+        strategy: str | None = None,
+        workers: int | None = None,
         max_size: int | str | None = None,
         exit_timeout: float | None = None,
     ) -> None:
         cfg = get_config()
-        if strategy == "auto" and cfg.strategy != "auto":
-            strategy = cfg.strategy
+        # An explicit argument wins; None takes the environment's (or the default).
+        strategy = cfg.strategy if strategy is None else strategy
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if workers == 1 and cfg.workers != 1:
-            workers = cfg.workers
+        workers = cfg.workers if workers is None else workers
         self.strategy = strategy
         self.disabled = cfg.disable
         self.failure_fatal = cfg.failure_fatal

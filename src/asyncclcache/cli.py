@@ -303,6 +303,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from . import maintenance
     stores = _stores(args)
     if args.fix:
         _check_writable(stores, "fix")
@@ -312,13 +313,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     locks: list[str] = []
     for s in stores:
         checked += sum(1 for _ in s.entries())
-        for e, problem in s.verify(fix=args.fix):
+        for e, problem in maintenance.verify(s, fix=args.fix):
             bad.append({"key": e.key, "path": str(e.path), "problem": problem})
-        t, lk = s.orphans()
+        t, lk = maintenance.orphans(s)
         temps += [str(p) for p in t]
         locks += [str(p) for p in lk]
         if args.fix:
-            s.sweep()
+            maintenance.sweep(s)
     human = [f"checked {checked} entries: {len(bad)} bad" + (" (removed)" if args.fix and bad else "")]
     human += [f"  bad  {b['key'][:12]}  {b['problem']}" for b in bad]
     if temps or locks:
@@ -331,6 +332,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    from . import maintenance
     from .config import get_config
 
     max_size = args.max_size if args.max_size is not None else get_config().max_size
@@ -344,7 +346,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     busy = False
     for s in stores:
         # The bound applies to each directory that a process fills (each rank's, say).
-        r = s.prune(max_size=max_size, older_than=args.older_than)
+        r = maintenance.prune(s, max_size=max_size, older_than=args.older_than)
         busy = busy or not r.ran
         removed += r.removed
         freed += r.freed
@@ -357,6 +359,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
+    from . import maintenance
     stores = _stores(args)
     _check_writable(stores, "clear")
     if not args.yes:
@@ -366,7 +369,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing removed")
             return EXIT_OK
-    removed = sum(s.clear() for s in stores)
+    removed = sum(maintenance.clear(s) for s in stores)
     _emit(args, {"removed": removed}, [f"removed {removed} entries"])
     return EXIT_OK
 

@@ -35,7 +35,7 @@ TEMP_MAX_AGE = 3600.0
 
 @dataclass
 class PruneResult:
-    """What :meth:`Store.prune` did."""
+    """What :func:`prune` did."""
 
     ran: bool = False  # False: another process was pruning, or the store is unusable
     removed: int = 0

@@ -28,7 +28,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
-from . import _version
+from . import _version, maintenance
 from .drivers import Dropped, Job, Lost, Purpose, Snapshot
 from .entry import Entry, EntryMeta
 from .errors import WriteFailedWarning
@@ -109,7 +109,7 @@ class Pipeline:
             self._refreshable.add(job.key)
 
     def _sweep(self) -> None:
-        self.store.sweep()
+        maintenance.sweep(self.store)
 
     def _keep(self, job: Job) -> None:
         # Under self._lock. Bounded: a process that builds thousands of programs keeps the
@@ -300,7 +300,7 @@ class Pipeline:
             self._size_estimate += added
         if self._size_estimate <= self.max_size:
             return
-        result = self.store.prune(max_size=self.max_size)
+        result = maintenance.prune(self.store, max_size=self.max_size)
         if result.ran:
             self._size_estimate = result.remaining
             self.counters.add("evictions", result.removed)

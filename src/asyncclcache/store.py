@@ -16,7 +16,7 @@ Guarantees (thread- and process-safe):
 * One writer per key at a time: the per-key ``filelock`` is taken without
   blocking; a process that finds it held skips (someone else writes that entry).
   The lock file is removed before release, so lock files do not pile up.
-* Temp and lock files of killed writers are swept (:meth:`Store.sweep`); a lock
+* Temp and lock files of killed writers are swept (:func:`.maintenance.sweep`); a lock
   file is removed while the sweep holds it, like a release does.
 * Entries are native code that pocl ``dlopen``\\ s: directories are 0700, entries
   0600, nothing owned by another user or writable by others is read, symlinks are
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import maintenance
 from .entry import Entry, EntryFormatError, EntryMeta, decode, encode, layout_problem, read_meta
 from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
 from .fileio import (
@@ -436,29 +435,6 @@ class Store:
             except OSError:
                 continue
             yield StoredEntry(name[: -len(ENTRY_SUFFIX)], p, st.st_size, st.st_mtime, st.st_atime)
-
-    # The directory's upkeep, in .maintenance (each safe while others read and write).
-
-    def orphans(self) -> tuple[list[Path], list[Path]]:
-        """Temp files whose writer is gone (or too old) and lock files nobody holds."""
-        return maintenance.orphans(self)
-
-    def sweep(self) -> int:
-        """Remove orphaned temp and lock files; returns how many."""
-        return maintenance.sweep(self)
-
-    def verify(self, *, fix: bool = False) -> list[tuple[StoredEntry, str]]:
-        """Fully check every entry; ``(entry, problem)`` for the bad ones, removed with ``fix``."""
-        return maintenance.verify(self, fix=fix)
-
-    def prune(self, *, max_size: int | None = None, older_than: float | None = None) -> maintenance.PruneResult:
-        """Evict least recently used entries down to ``max_size`` bytes, and those unused
-        for ``older_than`` seconds."""
-        return maintenance.prune(self, max_size=max_size, older_than=older_than)
-
-    def clear(self) -> int:
-        """Remove every entry (and orphaned files); returns the entry count."""
-        return maintenance.clear(self)
 
     def touch(self, key: str) -> None:
         """Mark ``key`` as just used (its atime), without rewriting it. Never raises."""

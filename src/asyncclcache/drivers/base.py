@@ -52,7 +52,12 @@ class Snapshot:
 
 @dataclass
 class Job:
-    """One built program whose binaries are wanted. Owned by the cache; mutated under its lock."""
+    """One built program whose binaries are wanted. Created by the cache, then written by
+    two owners, each to its own fields, and never by both at once (the pipeline has at most
+    one fetch of a key in flight): the pipeline (``claim``, ``yielded``, ``fetches``,
+    ``written_*``, on its writer threads; ``yielded`` under its lock) and the job's driver
+    (``queried_at``, ``warmup_seconds``, ``folders``, ``candidates``, on the driver's own
+    thread, before it calls ``done``)."""
 
     info: KeyInfo
     source: bytes
@@ -156,8 +161,9 @@ class Hit:
 class Driver(ABC):
     """Retrieves a job's binaries off the caller's thread and reports through ``done``.
 
-    ``fetch`` is called on the caller's thread and must return at once. The
-    attributes say what the cache must do differently; it never checks a name.
+    ``fetch`` is called on a writer thread of the cache (on the caller's thread only for an
+    ``inline`` driver) and must return at once. The attributes say what the cache must do
+    differently; it never checks a name.
     """
 
     name: str = ""
