@@ -63,10 +63,12 @@ __all__ = [
     "FsClock",
     "KcacheDriver",
     "Placed",
+    "build_candidates",
     "candidates",
     "choose",
     "find_folders",
     "folder_files",
+    "folders_per_build",
     "kernel_cache_dir",
     "mark",
     "moved",
@@ -229,7 +231,8 @@ def narrow(
     return tuple(sorted(f for f, _ in near or pool))
 
 
-def _most(job: Job) -> int:
+def folders_per_build(job: Job) -> int:
+    """How many folders one build of ``job`` makes: one per kind of device."""
     # Devices of one kind share a folder; several kinds, one folder each.
     return max(1, len({tuple(sorted(d.items())) for d in job.info.devices}))
 
@@ -249,7 +252,16 @@ def find_folders(root: Path, jobs: Sequence[Job], clock: FsClock | None = None) 
     if not all(found):
         found = candidates(root, windows)
     for job, cands in zip(todo, found, strict=True):
-        job.folders = choose(root, cands, job.kernels, clock.until(job.built_to), clock.tick, _most(job))
+        job.folders = choose(root, cands, job.kernels, clock.until(job.built_to), clock.tick,
+                             folders_per_build(job))
+
+
+def build_candidates(root: Path, job: Job) -> list[str]:
+    """The folders whose ``last_accessed`` lies in ``job``'s build window (the ones
+    :func:`find_folders` could not tell apart). Disk I/O: background threads."""
+    clock = clock_for(str(root)) or FsClock(root)
+    [found] = candidates(root, [window(clock, job)])
+    return [f for f, _ in found]
 
 
 def window(clock: FsClock, job: Job) -> tuple[float, float]:
@@ -689,7 +701,7 @@ class KcacheDriver(Driver):
                     with self._cond:
                         self._waiting.append(_Wait(job, done, time.time()))
                     return None
-                most = _most(job)
+                most = folders_per_build(job)
                 if len(pool) > most:
                     pool = self._probe(job, pool, most)
                 job.folders = pool if 0 < len(pool) <= most else ()
@@ -806,7 +818,7 @@ class KcacheDriver(Driver):
             # Only a folder that can be ours tells that our launches are done; an
             # ambiguous choice may narrow once the launches made their kernel folders.
             folders = choose(self.root, job.candidates, job.kernels, self.clock.until(job.built_to),
-                             self.clock.tick, _most(job))
+                             self.clock.tick, folders_per_build(job))
         else:
             folders = job.folders or ()
         return bool(folders) and ready(self.root, folders, job.kernels, self.clock.since(job.built_from))

@@ -31,7 +31,7 @@ from typing import IO
 from ..keys import pocl_code_settings
 from . import _wire
 from .base import Done, Driver, Dropped, Job, Purpose, Snapshot
-from .kcache import find_folders, kernel_cache_dir
+from .kcache import build_candidates, find_folders, folders_per_build, kernel_cache_dir, mark, moved
 
 __all__ = ["HelperDriver", "HelperError", "newest_variants"]
 
@@ -254,6 +254,10 @@ class HelperDriver(Driver):
             # Before the helper builds it too (and touches its folder again): which folder
             # is this program's, so that refreshes look at its variants alone.
             find_folders(root, [job])
+        # Not told apart (programs built within one tick of each other): the helper's own
+        # build of it touches exactly its folder, which a mark shows without a clock.
+        marks = ({f: mark(root, f) for f in build_candidates(root, job)}
+                 if root is not None and job.folders == () else {})
         req: IO[bytes] = self._req  # type: ignore[assignment]
         ans: IO[bytes] = self._ans  # type: ignore[assignment]
         try:
@@ -277,6 +281,9 @@ class HelperDriver(Driver):
         if not header.get("ok"):
             raise HelperError(f"helper could not build {job.key[:12]}: {header.get('error')}")
         self.requests += 1
+        if marks and root is not None:
+            touched = tuple(f for f, before in marks.items() if moved(root, f, before))
+            job.folders = touched if 0 < len(touched) <= folders_per_build(job) else ()
         # pocl packs the blob at the end of the query: variants on disk before the answer
         # came are in it (a variant finishing in those last microseconds may be missed:
         # it costs the next run one compile, nothing else).
