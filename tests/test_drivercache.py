@@ -159,6 +159,7 @@ def test_files_beyond_an_entrys_bound_are_counted(tmp_path: Path, monkeypatch: p
     from types import SimpleNamespace
 
     from asyncclcache.drivers import filecache
+    from asyncclcache.drivers.background import Waiting
 
     root = tmp_path / "mesa_shader_cache"
     names = [f"{i:02x}/{'0' * 38}" for i in range(3)]
@@ -172,7 +173,7 @@ def test_files_beyond_an_entrys_bound_are_counted(tmp_path: Path, monkeypatch: p
     driver.on_count = lambda name, n: counted.append((name, n))
     job = SimpleNamespace(key="k" * 64, built_from=t0 - 1, built_to=t0 + 1, queried_at=None)
     added = added_files(root, MESA, t0 - 5)
-    _, snap, error = driver._snapshot(filecache._Wait(job, lambda *a: None, 0.0), added)  # type: ignore[arg-type]
+    _, snap, error = driver._snapshot(Waiting(job, lambda *a: None, 0.0), added)  # type: ignore[arg-type]
     assert error is None and snap is not None and snap.files == names[:2]
     assert driver.left_out == 1 and counted == [("left_out", 1)]
 

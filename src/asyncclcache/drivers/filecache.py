@@ -32,22 +32,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import re
 import stat
-import threading
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import BinaryRejectedWarning
 from ..fileio import InsecurePathError
 from ..fsclock import FsClock, clock_for
-from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
+from .background import BackgroundDriver, Waiting
+from .base import Done, Hit, Job, Lost, Snapshot, SourceBuild
 from .kcache import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trusted_dir, untrusted
 
 if TYPE_CHECKING:
@@ -172,16 +169,7 @@ class _Watch:
     added: frozenset[str] | None = None  # the answer
 
 
-class _Wait:
-    __slots__ = ("done", "due", "job")
-
-    def __init__(self, job: Job, done: Done, due: float) -> None:
-        self.job = job
-        self.done = done
-        self.due = due
-
-
-class FileCacheDriver(Driver):
+class FileCacheDriver(BackgroundDriver):
     """Snapshots a content-addressed driver cache on one background thread. Thread-safe.
 
     ``root`` is the cache's directory as the driver found it when it started
@@ -193,26 +181,23 @@ class FileCacheDriver(Driver):
     needs_program = False
     refreshable = True
     watches_hits = True
+    batch_seconds = BATCH_SECONDS
 
     def __init__(self, root: Path, layout: Layout) -> None:
         self.root = root
         self.layout = layout
         self.name = f"kcache-{layout.name}"
+        self.settle_seconds = layout.settle
         self.clock = FsClock(root)  # unmeasured (the worst case) until the thread measures
-        self._cond = threading.Condition()
-        self._waiting: list[_Wait] = []
+        super().__init__()
         self._watches: dict[str, _Watch] = {}
         #: ``time.time()`` at the start of each build this process ran through us, sorted:
         #: a window ends where the next build begins.
         self._starts: list[float] = []
-        self._hurried_at = float("-inf")
         #: Every name of an entry this process hit (placed by its restore or found there): a
         #: hit's check must not take a file that another hit restored, or that an entry holds
         #: and the driver made at start-up, for a file the driver added for it (bounded).
         self._known: dict[str, None] = {}
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._warned: set[str] = set()
         self.scans = 0
         self.unused = 0  # hits whose build added files to the driver's cache anyway
         self.left_out = 0  # files of a window not stored: bounds, trust rules, gone meanwhile
@@ -230,20 +215,6 @@ class FileCacheDriver(Driver):
             if len(self._starts) > 1 and self._starts[-2] > t:
                 self._starts.sort()
             del self._starts[:-4096]
-
-    def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
-        now = time.time()
-        with self._cond:
-            if self._closed:
-                done(None, Dropped(f"{self.name} driver closed"))
-                return
-            settle = purpose is Purpose.SNAPSHOT and job.built_to > self._hurried_at
-            due = max(job.built_to, now) + self.layout.settle if settle else now
-            if settle:  # snapshots due in one batch period share one scan of the cache
-                due = math.ceil(due / BATCH_SECONDS) * BATCH_SECONDS
-            self._waiting.append(_Wait(job, done, due))
-            self._start()
-            self._cond.notify()
 
     def hurry(self) -> None:
         now = time.time()
@@ -310,33 +281,9 @@ class FileCacheDriver(Driver):
                 self._cond.notify()
         return Hit(program, True, "", ())
 
-    def close(self, timeout: float | None = None) -> None:
-        with self._cond:
-            self._closed = True
-            waiting, self._waiting = self._waiting, []
-            thread = self._thread
-            self._cond.notify()
-        for w in waiting:
-            w.done(None, Dropped("dropped at close"))
-        if thread is not None:
-            thread.join(timeout if timeout is not None else 5.0)
-
-    def _warn_once(self, what: str, message: str) -> None:
-        with self._cond:
-            if what in self._warned:
-                logger.info("asyncclcache: %s", message)
-                return
-            self._warned.add(what)
-        warnings.warn(f"asyncclcache: {message}", BinaryRejectedWarning, stacklevel=5)
-
     # }}}
 
     # {{{ background thread
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"asyncclcache-{self.name}", daemon=True)
-            self._thread.start()
 
     def _run(self) -> None:
         self.clock = clock_for(str(self.root)) or self.clock
@@ -381,7 +328,7 @@ class FileCacheDriver(Driver):
         return [rel for rel, (ctime, _) in added.items() if lo <= ctime <= hi]
 
     def _snapshot(
-        self, w: _Wait, added: dict[str, tuple[float, int]],
+        self, w: Waiting, added: dict[str, tuple[float, int]],
     ) -> tuple[Done, Snapshot | None, BaseException | None]:
         job = w.job
         try:

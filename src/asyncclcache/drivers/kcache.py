@@ -39,9 +39,7 @@ import os
 import random
 import secrets
 import stat
-import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 from .. import pocl_env
 from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
 from ..entry import valid_pocl_file as valid_file
-from ..errors import BinaryRejectedWarning
 from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError, insecure
 from ..fsclock import EPS, FsClock, clock_for
-from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
+from .background import BackgroundDriver, Waiting
+from .base import Done, Hit, Job, Lost, Snapshot, SourceBuild
 
 if TYPE_CHECKING:
 
@@ -535,7 +533,7 @@ def moved(root: Path, folder: str, before: os.stat_result | None) -> bool:
 # }}}
 
 
-class KcacheDriver(Driver):
+class KcacheDriver(BackgroundDriver):
     """Snapshots pocl's kernel-cache folders on one background thread. Thread-safe.
 
     ``root`` is pocl's kernel cache directory as pocl found it when it started
@@ -547,21 +545,15 @@ class KcacheDriver(Driver):
     needs_program = False
     refreshable = True
     watches_hits = True
+    settle_seconds = SETTLE_SECONDS
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.clock = FsClock(root)  # unmeasured (the worst case) until the thread measures
-        self._cond = threading.Condition()
+        super().__init__()  # _waiting: snapshots waiting for the program's first launches
         self._identify: list[Job] = []
-        # snapshots waiting for the program's first launches
-        self._waiting: list[_Wait] = []
-        self._thread: threading.Thread | None = None
-        self._closed = False
         self._need_full: dict[int, Job] = {}  # jobs whose folder is not a new one
         self._last_full = -FULL_SCAN_SECONDS
-        #: ``flush()``/exit asked at this time: jobs built before it are due at once.
-        self._hurried_at = float("-inf")
-        self._warned: set[str] = set()
         self.scans = 0  # cheap walks of pocl's cache (new folders)
         self.full_scans = 0  # walks of every folder
         self.unused = 0  # hits whose restored folder pocl did not use
@@ -575,18 +567,6 @@ class KcacheDriver(Driver):
             if self._closed:
                 return
             self._identify.append(job)
-            self._start()
-            self._cond.notify()
-
-    def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
-        now = time.time()
-        with self._cond:
-            if self._closed:
-                done(None, Dropped("kcache driver closed"))
-                return
-            settle = purpose is Purpose.SNAPSHOT and job.built_to > self._hurried_at
-            due = max(job.built_to, now) + SETTLE_SECONDS if settle else now
-            self._waiting.append(_Wait(job, done, due))
             self._start()
             self._cond.notify()
 
@@ -639,34 +619,12 @@ class KcacheDriver(Driver):
         return Hit(program, False, "pocl did not use the restored kernel-cache folder", (),
                    blame_entry=False, rejected=True)
 
-    def close(self, timeout: float | None = None) -> None:
-        with self._cond:
-            self._closed = True
-            waiting, self._waiting = self._waiting, []
-            self._identify = []
-            thread = self._thread
-            self._cond.notify()
-        for w in waiting:
-            w.done(None, Dropped("dropped at close"))
-        if thread is not None:
-            thread.join(timeout if timeout is not None else 5.0)
-
-    def _warn_once(self, what: str, message: str) -> None:
-        with self._cond:
-            if what in self._warned:
-                logger.info("asyncclcache: %s", message)
-                return
-            self._warned.add(what)
-        warnings.warn(f"asyncclcache: {message}", BinaryRejectedWarning, stacklevel=5)
+    def _closing(self) -> None:
+        self._identify = []
 
     # }}}
 
     # {{{ background thread
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="asyncclcache-kcache", daemon=True)
-            self._thread.start()
 
     def _run(self) -> None:
         while True:
@@ -699,7 +657,7 @@ class KcacheDriver(Driver):
                     job.candidates = None
                     self._need_full[id(job)] = job
                     with self._cond:
-                        self._waiting.append(_Wait(job, done, time.time()))
+                        self._waiting.append(Waiting(job, done, time.time()))
                     return None
                 most = folders_per_build(job)
                 if len(pool) > most:
@@ -808,7 +766,7 @@ class KcacheDriver(Driver):
             self._waiting = [w for w in self._waiting if id(w) not in taken]
         return [(w.job, w.done) for w in take]
 
-    def _ready(self, w: _Wait, now: float) -> bool:
+    def _ready(self, w: Waiting, now: float) -> bool:
         job = w.job
         if job.candidates is None and job.folders is None:
             return False  # not scanned yet
@@ -831,10 +789,3 @@ def entry_folders(files: Sequence[str]) -> list[str]:
     return list(dict.fromkeys("/".join(f.split("/")[:2]) for f in files))
 
 
-class _Wait:
-    __slots__ = ("done", "due", "job")
-
-    def __init__(self, job: Job, done: Done, due: float) -> None:
-        self.job = job
-        self.done = done
-        self.due = due
