@@ -16,14 +16,17 @@ JIT, rusticl's SPIR-V still compiles at the first launch.
   only bounds (files, bytes) and the trust rules of pocl's cache: ours, writable by no
   one else, regular, one link.
 * **Snapshot**: :attr:`Layout.settle` seconds after the build (NVIDIA writes at the
-  build; Mesa writes later, from its own thread, and at the first launches), or at a
-  step's end or ``flush()``. At ``flush()`` and exit an entry whose window gained files
-  since (a first launch that compiled for longer) is rewritten with them.
+  build; Mesa writes later, from its own thread, and at the first launches), batched on
+  half-seconds, or at a step's end or ``flush()`` (after :attr:`Layout.grace`). At
+  ``flush()`` and exit an entry whose window gained files since (a first launch that
+  compiled for longer) is rewritten with them. Files beyond the bounds are counted
+  (``left_out``).
 * **Hit**: write the missing files (temp file + link, never over an existing one, never
   through a link), then the plain source build. The check runs in the background: a
-  file that the build added anyway means the driver did not use (all of) ours; it is
-  counted (``unused``), warned once, and at ``flush()``/exit the entry is rewritten with
-  what the driver added (files every program needs once per node, say).
+  file that the build added anyway, and that no entry this process hit holds, means the
+  driver did not use (all of) ours; it is counted (``incomplete_hits``), warned once, and
+  at ``flush()``/exit the entry is rewritten with what the driver added (files every
+  program needs once per node, say).
 * **Left out**: the driver's bookkeeping (NVIDIA's and Mesa's ``index``; both make it
   again), temp files (Mesa's ``*.tmp``), anything not named like an item.
 """
