@@ -1,0 +1,227 @@
+"""The pipeline alone: claims, publish, refresh, drop, errors and close, with a small fake
+driver and a real store in a temporary directory (issue 20). What a real driver retrieves
+is tested elsewhere, on real pocl and rusticl; here only the pipeline's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from asyncclcache.drivers import Driver, Dropped, Job, Lost, Purpose, Snapshot
+from asyncclcache.keys import KeyInfo
+from asyncclcache.pipeline import Pipeline
+from asyncclcache.stats import Counters
+from asyncclcache.store import Store
+from asyncclcache.workers import Workers
+
+DEVICE = {"platform_name": "p", "platform_vendor": "v", "platform_version": "1", "device_name": "d",
+          "device_vendor": "v", "device_version": "1", "driver_version": "1"}
+
+
+class Fake(Driver):
+    """Answers each fetch from ``answers`` (a Snapshot, or an exception to report), on a
+    thread of its own, as the real drivers do; ``gate`` holds the answers back."""
+
+    name = "fake"
+    refreshable = True
+
+    def __init__(self, *answers: Snapshot | BaseException, warms_up: bool = False) -> None:
+        self.answers = list(answers)
+        self.warms_up = warms_up
+        if any(isinstance(a, Snapshot) and a.files is not None for a in answers):
+            self.kind = "kcache"  # files of a driver's cache, as pocl's folder holds them
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fetched: list[Purpose] = []
+        self.stale_jobs: list[Job] = []
+
+    def fetch(self, job: Job, purpose: Purpose, done) -> None:
+        self.fetched.append(purpose)
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+        def reply() -> None:
+            self.gate.wait(30)
+            if isinstance(answer, BaseException):
+                done(None, answer)
+            else:
+                done(answer, None)
+
+        threading.Thread(target=reply, daemon=True).start()
+
+    def stale(self, jobs: Sequence[Job]) -> list[Job]:
+        self.stale_jobs = list(jobs)
+        return list(jobs)
+
+
+def _job(driver: Driver, key: str = "a" * 64) -> Job:
+    info = KeyInfo(key, (DEVICE,), b"-DX=1", hashlib.sha256(b"src").hexdigest(), ())
+    return Job(info, b"src", b"-DX=1", [], ["log"], driver, kernels=("k",), built_to=1.0)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "acc", rank_local=False)
+
+
+@pytest.fixture
+def make(store: Store) -> Iterator:
+    made: list[tuple[Pipeline, Workers]] = []
+
+    def make_pipeline(on_store: Store | None = None) -> tuple[Pipeline, Counters]:
+        counters = Counters()
+        workers = Workers(1, "test-writer", lambda e: None)
+        p = Pipeline(on_store or store, workers, counters, max_size=None, on_written=lambda e: None)
+        made.append((p, workers))
+        return p, counters
+
+    yield make_pipeline
+    for p, workers in made:
+        p.close()
+        workers.stop(5.0)
+
+
+def _run(pipeline: Pipeline, job: Job, purpose: Purpose = Purpose.SNAPSHOT_NOW) -> None:
+    assert pipeline.add(job)
+    pipeline.fetch(job, purpose)
+    assert pipeline.wait(30)
+
+
+def test_a_snapshot_is_published_whole_and_the_claim_released(store: Store, make) -> None:
+    pipeline, counters = make()
+    job = _job(Fake(Snapshot([b"one", b"two"], files=["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"])))
+    _run(pipeline, job)
+    s = counters.snapshot()
+    assert (s.writes, s.skipped, s.errors, s.pending) == (1, 0, 0, 0)
+    entry = store.load(job.key)
+    assert entry is not None and entry.binaries == (b"one", b"two")
+    assert entry.meta.files == ["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"] and entry.meta.kernels == ["k"]
+    assert job.claim is None and job.written_files == frozenset({"AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"})
+    claim = store.claim(job.key)  # released: another writer may take it now
+    assert claim is not None
+    claim.release()
+
+
+def test_a_key_another_process_holds_is_skipped(store: Store, make) -> None:
+    pipeline, counters = make()
+    driver = Fake(Snapshot([b"b"]))
+    held = store.claim("b" * 64)  # another process (rank) works on the key
+    assert held is not None
+    try:
+        _run(pipeline, _job(driver, "b" * 64))
+    finally:
+        held.release()
+    s = counters.snapshot()
+    assert (s.writes, s.skipped) == (0, 1) and driver.fetched == []
+    assert store.load("b" * 64) is None
+
+
+def test_two_claimants_one_writes(tmp_path: Path, make) -> None:
+    # Two caches (two processes' pipelines) on one directory, the same key at once: the
+    # first claim wins, the other skips without asking its driver.
+    first, second = Store(tmp_path / "shared", rank_local=False), Store(tmp_path / "shared", rank_local=False)
+    p1, c1 = make(first)
+    p2, c2 = make(second)
+    slow = Fake(Snapshot([b"from one"]))
+    slow.gate.clear()  # holds the claim while "retrieving"
+    fast = Fake(Snapshot([b"from two"]))
+    j1, j2 = _job(slow, "c" * 64), _job(fast, "c" * 64)
+    assert p1.add(j1)
+    p1.fetch(j1, Purpose.SNAPSHOT_NOW)
+    for _ in range(300):
+        if slow.fetched:
+            break
+        threading.Event().wait(0.01)
+    assert slow.fetched, "the first pipeline claimed and asked its driver"
+    _run(p2, j2)
+    slow.gate.set()
+    assert p1.wait(30)
+    assert (c1.snapshot().writes, c2.snapshot().writes, c2.snapshot().skipped) == (1, 0, 1)
+    assert fast.fetched == []
+    entry = first.load("c" * 64)
+    assert entry is not None and entry.binaries == (b"from one",)
+
+
+@pytest.mark.parametrize(("error", "counter"), [
+    (RuntimeError("driver broke"), "errors"),
+    (Lost("no folder of this build"), "unidentified"),
+    (Dropped("closed"), "skipped"),
+])
+def test_a_failed_fetch_writes_nothing_and_releases_the_claim(store: Store, make, error, counter) -> None:
+    pipeline, counters = make()
+    job = _job(Fake(error))
+    _run(pipeline, job)
+    s = counters.snapshot()
+    assert s.writes == 0 and getattr(s, counter) == 1, s
+    assert store.load(job.key) is None and job.claim is None
+    errors = pipeline.take_errors()
+    assert (errors == [error]) == (counter == "errors")
+
+
+def test_a_warmup_counts_and_writes_nothing(store: Store, make) -> None:
+    pipeline, counters = make()
+    job = _job(Fake(Snapshot([b"w"]), warms_up=True))
+    _run(pipeline, job, Purpose.WARMUP)
+    s = counters.snapshot()
+    assert (s.warmups, s.writes) == (1, 0) and store.load(job.key) is None
+    # The claim is kept for the snapshot that follows (the helper's key stays this process's).
+    assert job.claim is not None
+    pipeline.fetch(job, Purpose.SNAPSHOT_NOW)
+    assert pipeline.wait(30)
+    assert counters.snapshot().writes == 1 and counters.snapshot().warmups == 1
+
+
+def test_a_refresh_rewrites_only_what_changed(store: Store, make) -> None:
+    pipeline, counters = make()
+    driver = Fake(Snapshot([b"v1"], files=["AB/CDEFGHIJKL/program.bc"]), Snapshot([b"v1"], files=["AB/CDEFGHIJKL/program.bc"]),
+                  Snapshot([b"v1", b"v2"], files=["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"]))
+    job = _job(driver)
+    _run(pipeline, job)
+    first = store.stamp(job.key)
+    pipeline.refresh()  # the same content: nothing written
+    assert pipeline.wait(30)
+    assert driver.stale_jobs == [job]
+    assert counters.snapshot().refreshes == 0 and store.stamp(job.key) == first
+    pipeline.refresh()  # a variant more: rewritten
+    assert pipeline.wait(30)
+    s = counters.snapshot()
+    assert (s.writes, s.refreshes) == (2, 1) and store.stamp(job.key) != first
+    entry = store.load(job.key)
+    assert entry is not None and entry.meta.files == ["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"] and entry.meta.snapshot == "refresh"
+
+
+def test_a_second_miss_while_the_first_is_on_its_way_is_not_added(store: Store, make) -> None:
+    pipeline, _ = make()
+    driver = Fake(Snapshot([b"x"]))
+    driver.gate.clear()
+    job = _job(driver)
+    assert pipeline.add(job)
+    pipeline.fetch(job, Purpose.SNAPSHOT_NOW)
+    assert not pipeline.add(_job(driver))
+    driver.gate.set()
+    assert pipeline.wait(30)
+
+
+def test_close_drops_what_is_on_its_way(store: Store, make) -> None:
+    pipeline, counters = make()
+    driver = Fake(Snapshot([b"late"]))
+    driver.gate.clear()
+    job = _job(driver)
+    assert pipeline.add(job)
+    pipeline.fetch(job, Purpose.SNAPSHOT_NOW)
+    for _ in range(300):
+        if driver.fetched:
+            break
+        threading.Event().wait(0.01)
+    pipeline.close()
+    driver.gate.set()
+    assert pipeline.wait(30)
+    s = counters.snapshot()
+    assert (s.writes, s.skipped, s.pending) == (0, 1, 0)
+    assert store.load(job.key) is None and job.claim is None
+    pipeline.fetch(_job(driver, "d" * 64), Purpose.SNAPSHOT_NOW)  # after close: nothing
+    assert pipeline.pending == 0 and driver.fetched == [Purpose.SNAPSHOT_NOW]
