@@ -161,3 +161,32 @@ def test_every_module_imports_alone(module):
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+#: Names on disk, and the one module that spells each (the others ask it).
+DISK_NAMES = {"stats.json": "store", "stats.lock": "store", "prune.lock": "store", ".acl": "store",
+              "rank-": "store", ".lock": "locks", ".tmp-": "fileio"}
+
+
+def _string_constants(tree: ast.AST) -> list[tuple[int, str]]:
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
+
+
+def test_each_name_on_disk_is_spelled_by_its_owner_alone():
+    spelled: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        for line, value in _string_constants(ast.parse(path.read_text(), str(path))):
+            for name in DISK_NAMES:
+                if value == name or value.startswith(name) and name == "rank-" and len(value) <= 6:
+                    spelled.setdefault(name, []).append(f"{module}:{line}")
+    wrong = {name: [w for w in where if not w.startswith(f"{PACKAGE}.{DISK_NAMES[name]}:")]
+             for name, where in spelled.items()}
+    assert {n: w for n, w in wrong.items() if w} == {}
+    # The checker sees them where they are spelled.
+    assert all(spelled.get(name) for name in DISK_NAMES), spelled

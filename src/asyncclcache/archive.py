@@ -35,19 +35,33 @@ from pathlib import Path
 from .entry import EntryFormatError
 from .fileio import atomic_writer
 from .keys import FORMAT_VERSION
-from .store import PublishResult, Store, check_data
+from .store import (
+    ENTRY_SUFFIX,
+    LOCK_SUFFIX,
+    PRUNE_LOCK,
+    RANK_PREFIX,
+    STATS_FILE,
+    STATS_LOCK,
+    TEMP_PREFIX,
+    PublishResult,
+    Store,
+    check_data,
+    version_dir,
+)
 
 __all__ = ["ArchiveError", "ExportResult", "ImportResult", "export_archive", "import_archive"]
 
 #: Largest entry accepted from an archive (a kcache entry is a few MB).
 MAX_MEMBER = 1 << 30
-_ENTRY_RE = re.compile(rf"^v{FORMAT_VERSION}/(?:rank-(\d{{1,9}})/)?([0-9a-f]{{2}})/([0-9a-f]{{64}})\.acl$")
+# The store's names (store.py spells them): members are named like the directory's files.
+_V, _RANK, _SUFFIX = re.escape(version_dir(Path()).name), re.escape(RANK_PREFIX), re.escape(ENTRY_SUFFIX)
+_ENTRY_RE = re.compile(rf"^{_V}/(?:{_RANK}(\d{{1,9}})/)?([0-9a-f]{{2}})/([0-9a-f]{{64}}){_SUFFIX}$")
 # Directories of the layout, and files a hand-made tar of a cache directory also holds
 # (locks, lifetime counters, temp files): ignored, never written.
-_DIR_RE = re.compile(rf"^(?:v{FORMAT_VERSION}(?:/rank-\d{{1,9}})?(?:/[0-9a-f]{{2}})?)?$")
+_DIR_RE = re.compile(rf"^(?:{_V}(?:/{_RANK}\d{{1,9}})?(?:/[0-9a-f]{{2}})?)?$")
 _IGNORED_RE = re.compile(
-    rf"^v{FORMAT_VERSION}/(?:rank-\d{{1,9}}/)?"
-    r"(?:stats\.json|stats\.lock|prune\.lock|[0-9a-f]{2}/[0-9a-f]{64}\.lock|[0-9a-f]{2}/\.tmp-[^/]*)$"
+    rf"^{_V}/(?:{_RANK}\d{{1,9}}/)?(?:{'|'.join(re.escape(n) for n in (STATS_FILE, STATS_LOCK, PRUNE_LOCK))}"
+    rf"|[0-9a-f]{{2}}/[0-9a-f]{{64}}{re.escape(LOCK_SUFFIX)}|[0-9a-f]{{2}}/{re.escape(TEMP_PREFIX)}[^/]*)$"
 )
 _MODES = {".tar": "", ".tar.gz": "gz", ".tgz": "gz", ".tar.xz": "xz", ".txz": "xz", ".tar.bz2": "bz2",
           ".tbz2": "bz2"}
@@ -127,7 +141,7 @@ def _entries(store: Store, device: str | None, result: ExportResult) -> Iterator
             continue
         if device is not None and not r.entry.meta.for_device(device):
             continue
-        yield f"{prefix}/{e.key[:2]}/{e.key}.acl", r.data, e.mtime
+        yield f"{prefix}/{e.key[:2]}/{e.key}{ENTRY_SUFFIX}", r.data, e.mtime
 
 # }}}
 

@@ -94,17 +94,13 @@ def _stores(args: argparse.Namespace) -> list[Any]:
     A missing (or empty) directory is an empty cache; a regular file, a directory of
     something else, or one that is not safe to load native code from is a usage error.
     """
-    from .store import Store
+    from .store import Store, rank_dirs
 
     base = _base(args)
-    version_dir = _check_base(base)
-    if not version_dir.is_dir():
+    if not _check_base(base).is_dir():
         return []
     stores = [Store(base, rank_local=False, create=False)]
-    for rank_dir in sorted(version_dir.glob("rank-*")):
-        suffix = rank_dir.name[len("rank-") :]
-        if suffix.isdigit() and rank_dir.is_dir():
-            stores.append(Store(base, rank_local=True, rank=int(suffix), create=False))
+    stores += [Store(base, rank_local=True, rank=rank, create=False) for rank, _ in rank_dirs(base)]
     for s in stores:
         if not s.enabled:
             raise UsageError(f"cannot use cache directory {s.root}: {s.problem}")
@@ -115,8 +111,9 @@ def _check_base(base: Path) -> Path:
     """``base/v<N>``; a usage error if ``base`` exists and is not a cache directory we may use."""
     from .fileio import insecure
     from .keys import FORMAT_VERSION
+    from .store import version_dir as version_dir_of
 
-    version_dir = base / f"v{FORMAT_VERSION}"
+    version_dir = version_dir_of(base)
     if base.exists():
         if not base.is_dir():
             raise UsageError(f"cannot use cache directory {base}: not a directory")
@@ -227,6 +224,7 @@ def _lifetime(stores: list[Any]) -> dict[str, float]:
 def cmd_info(args: argparse.Namespace) -> int:
     from .config import get_config
     from .keys import FORMAT_VERSION
+    from .store import version_dir
 
     stores = _stores(args)
     rows = _listing(stores)
@@ -237,7 +235,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             devices[d] = devices.get(d, 0) + 1
     life = _lifetime(stores)
     info: dict[str, Any] = {
-        "directory": str(_base(args) / f"v{FORMAT_VERSION}"),
+        "directory": str(version_dir(_base(args))),
         "exists": bool(stores),
         "rank_directories": [str(s.root) for s in stores if s.rank_local],
         "format_version": FORMAT_VERSION,

@@ -27,10 +27,11 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK
 
-__all__ = ["LOCK_SUFFIX", "Claim", "take", "unheld"]
+__all__ = ["LOCK_SUFFIX", "Claim", "file_lock", "take", "unheld"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,3 +151,13 @@ class Claim:
         if self._fds:  # dropped unreleased: free the key, as filelock's own finalizer did
             with contextlib.suppress(Exception):
                 self.release()
+
+
+def file_lock(path: str | os.PathLike[str], timeout: float) -> Any:
+    """A lock file that stays (``filelock.FileLock``, mode 0600): one writer at a time of a
+    file shared by processes (the lifetime counters, a prune), never a per-key claim.
+    Raises ``filelock.Timeout`` when busy past ``timeout`` seconds. Thread- and
+    process-safe."""
+    import filelock  # lazily: off the import path of a warm start
+
+    return filelock.FileLock(str(path), timeout=timeout, mode=0o600)

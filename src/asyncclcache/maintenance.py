@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .fileio import HOST, TEMP_PREFIX, TEMP_SUFFIX, temp_writer, unlink_if_same
-from .locks import LOCK_SUFFIX, unheld
+from .locks import LOCK_SUFFIX, file_lock, unheld
+from .store import PRUNE_LOCK
 
 if TYPE_CHECKING:
     from .store import Store, StoredEntry
 
-__all__ = ["PRUNE_LOCK", "TEMP_MAX_AGE", "PruneResult", "clear", "orphans", "prune", "sweep", "verify"]
+__all__ = ["TEMP_MAX_AGE", "PruneResult", "clear", "orphans", "prune", "sweep", "verify"]
 
 logger = logging.getLogger(__name__)
 
-PRUNE_LOCK = "prune.lock"
 #: A temp file whose writer is gone, or older than this, is swept.
 TEMP_MAX_AGE = 3600.0
 
@@ -101,7 +101,7 @@ def prune(store: Store, *, max_size: int | None = None, older_than: float | None
         return result
     import filelock
 
-    lock = filelock.FileLock(str(store.root / PRUNE_LOCK), timeout=0, mode=0o600)
+    lock = file_lock(store.root / PRUNE_LOCK, 0)
     try:
         lock.acquire()
     except (filelock.Timeout, OSError):

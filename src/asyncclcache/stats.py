@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from .fileio import atomic_write
+from .locks import file_lock
+from .store import STATS_FILE, STATS_LOCK
 
 __all__ = ["LIFETIME_FIELDS", "Counters", "Stats", "add_lifetime", "read_lifetime", "reset_lifetime"]
 
 logger = logging.getLogger(__name__)
 
-STATS_FILE = "stats.json"
-STATS_LOCK = "stats.lock"
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def add_lifetime(root: str | os.PathLike[str], deltas: Mapping[str, float], *, t
     root = Path(root)
     import filelock  # lazily: off the import path of a warm start
 
-    lock = filelock.FileLock(str(root / STATS_LOCK), timeout=timeout, mode=0o600)
+    lock = file_lock(root / STATS_LOCK, timeout)
     try:
         with lock:
             current = read_lifetime(root)
@@ -183,9 +183,7 @@ def add_lifetime(root: str | os.PathLike[str], deltas: Mapping[str, float], *, t
 def reset_lifetime(root: str | os.PathLike[str]) -> None:
     """Zero the counters at ``root``."""
     root = Path(root)
-    import filelock
-
-    with filelock.FileLock(str(root / STATS_LOCK), timeout=10, mode=0o600):
+    with file_lock(root / STATS_LOCK, 10):
         _write(root, dict.fromkeys(LIFETIME_FIELDS, 0))
 
 

@@ -58,13 +58,38 @@ from .locks import LOCK_SUFFIX, Claim, take
 from .ranks import detect_rank
 
 __all__ = [
-    "ENTRY_SUFFIX", "LOCK_SUFFIX", "TEMP_PREFIX", "TEMP_SUFFIX", "Claim", "PublishResult", "ReadResult",
-    "Stamp", "Store", "StoredEntry", "check_data", "default_directory", "stamp_of",
+    "ENTRY_SUFFIX", "LOCK_SUFFIX", "PRUNE_LOCK", "RANK_PREFIX", "STATS_FILE", "STATS_LOCK", "TEMP_PREFIX",
+    "TEMP_SUFFIX", "Claim", "PublishResult", "ReadResult", "Stamp", "Store", "StoredEntry", "check_data",
+    "default_directory", "rank_dirs", "stamp_of", "version_dir",
 ]
 
 logger = logging.getLogger(__name__)
 
+# Every name a cache directory holds is spelled here (temp and lock names: fileio, locks).
 ENTRY_SUFFIX = ".acl"
+#: ``v<N>/rank-<rank>/``: a rank's own store under the version directory.
+RANK_PREFIX = "rank-"
+#: A store's lifetime counters (:mod:`.stats`) and the lock that serializes their writers.
+STATS_FILE = "stats.json"
+STATS_LOCK = "stats.lock"
+#: Held by the one process that prunes a store (:mod:`.maintenance`).
+PRUNE_LOCK = "prune.lock"
+
+
+def version_dir(base: Path) -> Path:
+    """Where this format's entries live under a base directory: ``base/v<FORMAT_VERSION>``."""
+    return base / f"v{FORMAT_VERSION}"
+
+
+def rank_dirs(base: Path) -> list[tuple[int, Path]]:
+    """``(rank, directory)`` of the rank-local stores under ``base``, by rank."""
+    out = []
+    with contextlib.suppress(OSError):
+        for d in version_dir(base).iterdir():
+            suffix = d.name[len(RANK_PREFIX):] if d.name.startswith(RANK_PREFIX) else ""
+            if suffix.isdigit() and d.is_dir():  # a link too: the Store refuses it, saying why
+                out.append((int(suffix), d))
+    return sorted(out)
 
 #: Which file an entry path named: (device, inode, size, modification time in ns). Entries
 #: are replaced by rename, so another write gives another inode; no clock is compared.
@@ -154,9 +179,9 @@ class Store:
             rank_local = cfg.rank_local if cfg.rank_local is not None else True
         self.rank = detect_rank() if rank is None else rank
         self.rank_local = bool(rank_local and self.rank is not None)
-        root = base / f"v{FORMAT_VERSION}"
+        root = version_dir(base)
         if self.rank_local:
-            root = root / f"rank-{self.rank}"
+            root = root / f"{RANK_PREFIX}{self.rank}"
         self.base = base
         self.root = root
         self.problem: str | None = None
@@ -221,7 +246,7 @@ class Store:
     def _make_dirs(self, fanout: Path | None = None) -> None:
         # Again before each write: another process may have removed the directory.
         make_private_dir(self.base, follow=True)
-        dirs = [self.base / f"v{FORMAT_VERSION}", self.root]
+        dirs = [version_dir(self.base), self.root]
         if fanout is not None:
             dirs.append(fanout)
         for d in dict.fromkeys(dirs):
