@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import asyncclcache as acc
-from asyncclcache.drivers import kcache
+from asyncclcache.drivers import cachefiles, kcache
 from asyncclcache.entry import Entry
 from asyncclcache.store import Store
 from conftest import child_json, run_child, run_in_threads
@@ -147,13 +147,13 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
     (root / "AB").mkdir(parents=True)
     (root / folder).symlink_to(outside)  # a planted link where the program folder goes
     with pytest.raises(OSError):
-        kcache.restore(root, [f"{folder}/program.bc"], [b"bitcode"])
+        cachefiles.restore(root, [f"{folder}/program.bc"], [b"bitcode"], kcache.valid_file)
     assert list(outside.iterdir()) == []
 
     (root / folder).unlink()
     (root / folder / "k" / "v").mkdir(parents=True)
     (root / folder / "program.bc").write_bytes(b"pocl's own")
-    placed = kcache.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"])
+    placed = cachefiles.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"], kcache.valid_file)
     assert placed.count == 1
     assert (root / folder / "program.bc").read_bytes() == b"pocl's own"
     assert (root / folder / "k/v/k.so").read_bytes() == b"so"
@@ -161,7 +161,7 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
 
     for bad in ("../x/y/program.bc", "/etc/passwd", "AB/../../x", f"{folder}/../../../evil", "AB"):
         with pytest.raises(OSError):
-            kcache.restore(root, [bad], [b"x"])
+            cachefiles.restore(root, [bad], [b"x"], kcache.valid_file)
 
 
 def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir, open_cache):

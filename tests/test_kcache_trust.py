@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from asyncclcache import fsclock, pocl_env
-from asyncclcache.drivers import kcache
+from asyncclcache.drivers import cachefiles, kcache
 from asyncclcache.store import Store
 from conftest import ROOT, child_json, run_child
 
@@ -421,7 +421,7 @@ def test_snapshot_refuses_files_of_others_and_bounds_what_it_reads(tmp_path):
         kcache.folder_files(tmp_path, [rel])
     os.chmod(so, 0o644)
     with open(tmp_path / rel / "huge.bin", "wb") as f:  # a sparse file far over the bound
-        f.truncate(kcache.MAX_FILE_BYTES + 1)
+        f.truncate(cachefiles.MAX_FILE_BYTES + 1)
     t0 = time.perf_counter()
     with pytest.raises(kcache.Lost, match="too large"):
         kcache.folder_files(tmp_path, [rel])
@@ -441,16 +441,16 @@ def test_snapshot_and_restore_refuse_another_users_folder(tmp_path, other_user):
     with pytest.raises(kcache.Lost, match="owned by uid"):
         kcache.folder_files(tmp_path, [rel])
     with pytest.raises(OSError, match="owned by uid"):
-        kcache.restore(tmp_path, [f"{rel}/k/32-1-1/k.so"], [b"ours"])
+        cachefiles.restore(tmp_path, [f"{rel}/k/32-1-1/k.so"], [b"ours"], kcache.valid_file)
     assert not (tmp_path / rel / "k" / "32-1-1").exists()
 
 
 def test_an_unused_restore_is_taken_back(tmp_path):
     rel = "AB/" + "C" * 38
-    placed = kcache.restore(tmp_path, [f"{rel}/program.bc", f"{rel}/k/v/k.so"], [b"bc", b"so"])
+    placed = cachefiles.restore(tmp_path, [f"{rel}/program.bc", f"{rel}/k/v/k.so"], [b"bc", b"so"], kcache.valid_file)
     assert placed.count == 2
     (tmp_path / "AB" / "pocls").mkdir()  # pocl's own, meanwhile
-    kcache.unrestore(tmp_path, placed)
+    cachefiles.unrestore(tmp_path, placed)
     assert not (tmp_path / rel).exists() and (tmp_path / "AB" / "pocls").exists()
 
 

@@ -183,7 +183,7 @@ def test_each_name_on_disk_is_spelled_by_its_owner_alone():
     for module, path in MODULES.items():
         for line, value in _string_constants(ast.parse(path.read_text(), str(path))):
             for name in DISK_NAMES:
-                if value == name or value.startswith(name) and name == "rank-" and len(value) <= 6:
+                if value == name or (value.startswith(name) and name == "rank-" and len(value) <= 6):
                     spelled.setdefault(name, []).append(f"{module}:{line}")
     wrong = {name: [w for w in where if not w.startswith(f"{PACKAGE}.{DISK_NAMES[name]}:")]
              for name, where in spelled.items()}

@@ -85,6 +85,15 @@ def make(store: Store) -> Iterator:
         workers.stop(5.0)
 
 
+def _until_fetched(driver: Fake) -> None:
+    """Until the pipeline has claimed the key and asked ``driver`` (a writer thread does)."""
+    for _ in range(300):
+        if driver.fetched:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the pipeline never asked its driver")
+
+
 def _run(pipeline: Pipeline, job: Job, purpose: Purpose = Purpose.SNAPSHOT_NOW) -> None:
     assert pipeline.add(job)
     pipeline.fetch(job, purpose)
@@ -132,11 +141,7 @@ def test_two_claimants_one_writes(tmp_path: Path, make) -> None:
     j1, j2 = _job(slow, "c" * 64), _job(fast, "c" * 64)
     assert p1.add(j1)
     p1.fetch(j1, Purpose.SNAPSHOT_NOW)
-    for _ in range(300):
-        if slow.fetched:
-            break
-        threading.Event().wait(0.01)
-    assert slow.fetched, "the first pipeline claimed and asked its driver"
+    _until_fetched(slow)
     _run(p2, j2)
     slow.gate.set()
     assert p1.wait(30)
@@ -191,32 +196,33 @@ def test_a_refresh_rewrites_only_what_changed(store: Store, make) -> None:
     s = counters.snapshot()
     assert (s.writes, s.refreshes) == (2, 1) and store.stamp(job.key) != first
     entry = store.load(job.key)
-    assert entry is not None and entry.meta.files == ["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"] and entry.meta.snapshot == "refresh"
+    assert entry is not None and entry.meta.snapshot == "refresh"
+    assert entry.meta.files == ["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"]
 
 
-def test_a_second_miss_while_the_first_is_on_its_way_is_not_added(store: Store, make) -> None:
-    pipeline, _ = make()
-    driver = Fake(Snapshot([b"x"]))
+def _held(pipeline: Pipeline, answer: Snapshot) -> tuple[Fake, Job]:
+    """A job on its way: claimed, its driver asked, the answer held back (``gate``)."""
+    driver = Fake(answer)
     driver.gate.clear()
     job = _job(driver)
     assert pipeline.add(job)
     pipeline.fetch(job, Purpose.SNAPSHOT_NOW)
+    _until_fetched(driver)
+    return driver, job
+
+
+def test_a_second_miss_while_the_first_is_on_its_way_is_not_added(store: Store, make) -> None:
+    pipeline, counters = make()
+    driver, _ = _held(pipeline, Snapshot([b"x"]))
     assert not pipeline.add(_job(driver))
     driver.gate.set()
     assert pipeline.wait(30)
+    assert counters.snapshot().writes == 1
 
 
 def test_close_drops_what_is_on_its_way(store: Store, make) -> None:
     pipeline, counters = make()
-    driver = Fake(Snapshot([b"late"]))
-    driver.gate.clear()
-    job = _job(driver)
-    assert pipeline.add(job)
-    pipeline.fetch(job, Purpose.SNAPSHOT_NOW)
-    for _ in range(300):
-        if driver.fetched:
-            break
-        threading.Event().wait(0.01)
+    driver, job = _held(pipeline, Snapshot([b"late"]))
     pipeline.close()
     driver.gate.set()
     assert pipeline.wait(30)

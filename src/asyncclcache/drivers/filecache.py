@@ -48,7 +48,7 @@ from ..fileio import InsecurePathError
 from ..fsclock import FsClock, clock_for
 from .background import BackgroundDriver, Waiting
 from .base import Done, Hit, Job, Lost, Snapshot, SourceBuild
-from .kcache import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trusted_dir, untrusted
+from .cachefiles import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trusted_dir, untrusted
 
 if TYPE_CHECKING:
     from ..entry import Entry
