@@ -94,13 +94,13 @@ def _stores(args: argparse.Namespace) -> list[Any]:
     A missing (or empty) directory is an empty cache; a regular file, a directory of
     something else, or one that is not safe to load native code from is a usage error.
     """
-    from .store import Store, rank_dirs
+    from .store import Store, ranks
 
     base = _base(args)
     if not _check_base(base).is_dir():
         return []
     stores = [Store(base, rank_local=False, create=False)]
-    stores += [Store(base, rank_local=True, rank=rank, create=False) for rank, _ in rank_dirs(base)]
+    stores += [Store(base, rank_local=True, rank=rank, create=False) for rank in ranks(base)]
     for s in stores:
         if not s.enabled:
             raise UsageError(f"cannot use cache directory {s.root}: {s.problem}")

@@ -46,7 +46,7 @@ class Stats:
     unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
     uncacheable: int = 0  # builds not cached: an #include that cannot be resolved for certain
     incomplete_hits: int = 0  # driver caches: hits after which the driver wrote files anyway
-    left_out: int = 0  # driver caches: files of a build beyond an entry's bound (not stored)
+    left_out: int = 0  # driver caches: files of a build not stored (bounds, trust rules, gone)
     errors: int = 0  # background failures (logged)
     evictions: int = 0  # entries removed to keep the directory under max_size
     seconds_saved: float = 0.0  # estimated compile time that hits avoided

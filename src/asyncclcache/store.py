@@ -60,7 +60,7 @@ from .ranks import detect_rank
 __all__ = [
     "ENTRY_SUFFIX", "LOCK_SUFFIX", "PRUNE_LOCK", "RANK_PREFIX", "STATS_FILE", "STATS_LOCK", "TEMP_PREFIX",
     "TEMP_SUFFIX", "Claim", "PublishResult", "ReadResult", "Stamp", "Store", "StoredEntry", "check_data",
-    "default_directory", "rank_dirs", "stamp_of", "version_dir",
+    "default_directory", "ranks", "stamp_of", "version_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,14 +81,14 @@ def version_dir(base: Path) -> Path:
     return base / f"v{FORMAT_VERSION}"
 
 
-def rank_dirs(base: Path) -> list[tuple[int, Path]]:
-    """``(rank, directory)`` of the rank-local stores under ``base``, by rank."""
+def ranks(base: Path) -> list[int]:
+    """The ranks that have a rank-local store under ``base``, in order."""
     out = []
     with contextlib.suppress(OSError):
         for d in version_dir(base).iterdir():
             suffix = d.name[len(RANK_PREFIX):] if d.name.startswith(RANK_PREFIX) else ""
             if suffix.isdigit() and d.is_dir():  # a link too: the Store refuses it, saying why
-                out.append((int(suffix), d))
+                out.append(int(suffix))
     return sorted(out)
 
 #: Which file an entry path named: (device, inode, size, modification time in ns). Entries

@@ -96,13 +96,13 @@ NVIDIA = Layout("nvidia", "NVIDIA's compute cache", re.compile(r"[0-9a-f]/[0-9a-
 MESA = Layout("mesa", "Mesa's shader cache", re.compile(r"[0-9a-f]{2}/[0-9a-f]{30,126}"), 1, 3.0, 0.3)
 
 
-def added_files(root: Path, layout: Layout, lo: float) -> dict[str, tuple[float, int]]:
-    """``{relative path: (ctime, inode)}`` of the item files created or renamed into
+def added_files(root: Path, layout: Layout, lo: float) -> dict[str, float]:
+    """``{relative path: ctime}`` of the item files created or renamed into
     place (or written last) at stamp ``lo`` or later. Only directories changed since
     ``lo - DIR_SLACK`` are listed (a new file changes its directory's stamp), so a large
     cache costs one stat per directory. What we may not trust (:func:`~.kcache.untrusted`: another owner, writable
     by others, a second link) and symbolic links are left out."""
-    out: dict[str, tuple[float, int]] = {}
+    out: dict[str, float] = {}
     level = [("", str(root))]
     for _ in range(layout.depth):
         below = []
@@ -130,7 +130,7 @@ def added_files(root: Path, layout: Layout, lo: float) -> dict[str, tuple[float,
             except OSError:
                 continue
             if stat.S_ISREG(fst.st_mode) and fst.st_ctime >= lo and untrusted(fst) is None:
-                out[name] = (fst.st_ctime, fst.st_ino)
+                out[name] = fst.st_ctime
     return out
 
 
@@ -166,7 +166,6 @@ class _Watch:
     key: str
     since: float  # time.time() before the restore
     until: float  # time.time() after the build
-    placed: frozenset[int]  # inodes the restore wrote
     files: frozenset[str]  # what the entry holds
     due: float
     added: frozenset[str] | None = None  # the answer
@@ -238,7 +237,7 @@ class FileCacheDriver(BackgroundDriver):
         with self._cond:
             checks = [h for k, h in self._watches.items() if k in keys and h.added is None]
         built = [j for j in jobs if j.key not in self._watches and j.built_to and j.written_files]
-        added: dict[str, tuple[float, int]] = {}
+        added: dict[str, float] = {}
         if checks or built:
             # One scan for the hits not checked yet (flush and exit do not wait for the
             # thread) and the builds whose window may have grown.
@@ -263,7 +262,7 @@ class FileCacheDriver(BackgroundDriver):
         since = time.time()
         self._started(since)
         try:
-            placed = restore(self.root, files, entry.binaries, self.layout.valid)
+            restore(self.root, files, entry.binaries, self.layout.valid)
         except (OSError, ValueError) as e:
             self._warn_once("restore", f"could not restore {self.layout.what} ({e}); built from source")
             return Hit(source.build(), False, f"restore failed: {e}", (), blame_entry=False)
@@ -275,8 +274,7 @@ class FileCacheDriver(BackgroundDriver):
                 del self._known[next(iter(self._known))]
             if not self._closed:
                 self._watches[entry.key] = _Watch(
-                    entry.key, since, until, frozenset(ino for _, ino in placed.files), frozenset(files),
-                    due=until + self.layout.settle,
+                    entry.key, since, until, frozenset(files), due=until + self.layout.settle,
                 )
                 while len(self._watches) > 4096:
                     del self._watches[next(iter(self._watches))]
@@ -325,13 +323,13 @@ class FileCacheDriver(BackgroundDriver):
         with self._cond:
             return next((s for s in self._starts if s > built_to), None)
 
-    def _window(self, added: dict[str, tuple[float, int]], since: float, until: float | None) -> list[str]:
+    def _window(self, added: dict[str, float], since: float, until: float | None) -> list[str]:
         lo = self._lo(since)
         hi = float("inf") if until is None else self.clock.until(until)
-        return [rel for rel, (ctime, _) in added.items() if lo <= ctime <= hi]
+        return [rel for rel, ctime in added.items() if lo <= ctime <= hi]
 
     def _snapshot(
-        self, w: Waiting, added: dict[str, tuple[float, int]],
+        self, w: Waiting, added: dict[str, float],
     ) -> tuple[Done, Snapshot | None, BaseException | None]:
         job = w.job
         try:
@@ -352,11 +350,12 @@ class FileCacheDriver(BackgroundDriver):
         job.queried_at = time.time()
         return w.done, snap, None
 
-    def _check(self, h: _Watch, added: dict[str, tuple[float, int]]) -> None:
+    def _check(self, h: _Watch, added: dict[str, float]) -> None:
         with self._cond:
             new = frozenset(
                 rel for rel in self._window(added, h.since, self._end(h.until))
-                if rel not in h.files and added[rel][1] not in h.placed and rel not in self._known
+                # What the restore placed is in the entry: a name of it, or of another hit's.
+                if rel not in h.files and rel not in self._known
             )
             if h.added is not None:
                 return  # checked meanwhile (the thread, or stale())
