@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import asyncclcache as acc
-from asyncclcache.drivers import cachefiles, kcache
+from asyncclcache import fsclock
+from asyncclcache.drivers import cachefiles, kcache, poclcache
 from asyncclcache.entry import Entry
 from asyncclcache.store import Store
 from conftest import child_json, run_child, run_in_threads
@@ -147,13 +148,13 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
     (root / "AB").mkdir(parents=True)
     (root / folder).symlink_to(outside)  # a planted link where the program folder goes
     with pytest.raises(OSError):
-        cachefiles.restore(root, [f"{folder}/program.bc"], [b"bitcode"], kcache.valid_file)
+        cachefiles.restore(root, [f"{folder}/program.bc"], [b"bitcode"], poclcache.valid_file)
     assert list(outside.iterdir()) == []
 
     (root / folder).unlink()
     (root / folder / "k" / "v").mkdir(parents=True)
     (root / folder / "program.bc").write_bytes(b"pocl's own")
-    placed = cachefiles.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"], kcache.valid_file)
+    placed = cachefiles.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"], poclcache.valid_file)
     assert placed.count == 1
     assert (root / folder / "program.bc").read_bytes() == b"pocl's own"
     assert (root / folder / "k/v/k.so").read_bytes() == b"so"
@@ -161,7 +162,7 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
 
     for bad in ("../x/y/program.bc", "/etc/passwd", "AB/../../x", f"{folder}/../../../evil", "AB"):
         with pytest.raises(OSError):
-            cachefiles.restore(root, [bad], [b"x"], kcache.valid_file)
+            cachefiles.restore(root, [bad], [b"x"], poclcache.valid_file)
 
 
 def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir, open_cache):
@@ -182,7 +183,7 @@ def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir, op
 def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache_dir, open_cache):
     import shutil
 
-    root = kcache.kernel_cache_dir()
+    root = poclcache.kernel_cache_dir()
     assert root is not None
     cache = open_cache(cache_dir)
     with cache.step() as _:
@@ -190,10 +191,10 @@ def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache
         assert run_twice(cl_ctx, prg)
         # Find pocl's folder for this build the way the driver does, then remove it.
         job = cache.job(prg.cache_key)
-        clock = kcache.FsClock(root)
+        clock = fsclock.FsClock(root)
         assert clock.measure()
-        (found,) = kcache.candidates(root, [(clock.since(job.built_from), clock.until(job.built_to))])
-        (folder,) = kcache.choose(root, found, job.kernels, clock.until(job.built_to), clock.tick)
+        (found,) = poclcache.candidates(root, [(clock.since(job.built_from), clock.until(job.built_to))])
+        (folder,) = poclcache.choose(root, found, job.kernels, clock.until(job.built_to), clock.tick)
         shutil.rmtree(root / folder)
     assert cache.flush(60)
     s = cache.stats()
@@ -250,7 +251,7 @@ def test_stored_files_are_what_pocl_wrote(cache_dir):
     out = child_json(run_child(RUN, str(cache_dir), "content"))
     entry = Store(cache_dir).load(out["key"])
     assert entry is not None
-    assert all(kcache.valid_file(f) for f in entry.meta["files"])
+    assert all(poclcache.valid_file(f) for f in entry.meta["files"])
     assert not any(Path(f).name == "last_accessed" for f in entry.meta["files"])
 
 
@@ -270,7 +271,7 @@ def test_stored_files_are_what_pocl_wrote(cache_dir):
     ],
 )
 def test_valid_file_names(rel, ok):
-    assert kcache.valid_file(rel) is ok
+    assert poclcache.valid_file(rel) is ok
 
 
 @pytest.mark.parametrize(
@@ -296,7 +297,7 @@ def test_kernel_cache_dir_as_pocl_finds_it(monkeypatch, tmp_path, env, expect):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    got = kcache.kernel_cache_dir()
+    got = poclcache.kernel_cache_dir()
     if expect == "xdg":
         assert got == tmp_path / "pocl" / "kcache"
     else:
@@ -308,7 +309,7 @@ def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir, open_
     # must not stat every old folder; a program pocl serves from an old folder still is found.
     import pyopencl as cl
 
-    root = kcache.kernel_cache_dir()
+    root = poclcache.kernel_cache_dir()
     assert root is not None
     import time
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from asyncclcache import fsclock, pocl_env
-from asyncclcache.drivers import cachefiles, kcache
+from asyncclcache.drivers import Lost, cachefiles, kcache, poclcache
 from asyncclcache.store import Store
 from conftest import ROOT, child_json, run_child
 
@@ -105,7 +105,7 @@ def test_home_unset_a_shipped_cache_hits_and_is_kept(cache_dir):
     assert first["stats"]["writes"] == 3
     env = _bare_env(HOME=None, XDG_CACHE_HOME=None, POCL_CACHE_DIR=None)
     store = Store(cache_dir)
-    folders = {f for p in first["programs"] for f in kcache.entry_folders(store.load(p["key"]).meta.files)}
+    folders = {f for p in first["programs"] for f in poclcache.entry_folders(store.load(p["key"]).meta.files)}
     try:
         warm = _child(MANY, str(cache_dir), "3", salt, "distinct", env=env)
         assert _values_ok(warm)
@@ -191,7 +191,7 @@ def test_one_second_stamps_every_program_is_identified_and_hits(tmp_path):
         assert _values_ok(cold) and cold["flushed"]
         s = cold["stats"]
         assert (s["misses"], s["writes"], s["unidentified"]) == (10, 10, 0)
-        clock = kcache.FsClock(fs)
+        clock = fsclock.FsClock(fs)
         assert clock.measure() and clock.tick >= 1.0
         # A new node, its pocl cache on the same kind of file system.
         warm = child_json(run_child(MANY, str(acc_dir), "10", salt, "distinct", pocl_cache=fs / "pocl-b"))
@@ -244,7 +244,7 @@ def test_header_digests_are_remembered_once_old_enough(tmp_path):
 
 
 def test_fs_clock_bounds_hold_on_a_fine_file_system(tmp_path):
-    clock = kcache.FsClock(tmp_path)
+    clock = fsclock.FsClock(tmp_path)
     assert clock.due()
     assert clock.measure() and not clock.due()
     assert clock.tick == fsclock.FINE_TICK
@@ -257,7 +257,7 @@ def test_fs_clock_bounds_hold_on_a_fine_file_system(tmp_path):
 
 
 def test_fs_clock_unmeasured_assumes_the_worst(tmp_path):
-    clock = kcache.FsClock(tmp_path / "missing")
+    clock = fsclock.FsClock(tmp_path / "missing")
     assert not clock.measure()
     assert clock.tick == 2.0 and clock.since(100.0) <= 96.0 and clock.until(100.0) >= 102.0
 
@@ -288,12 +288,12 @@ def test_choose_keeps_the_folder_closest_to_the_build_over_anothers_fresh_launch
     end = time.time()
     theirs = _folder(tmp_path, "AA" + "T" * 38, end - 0.188, {"k": end + 0.5})
     ours = _folder(tmp_path, "BB" + "O" * 38, end - 0.004, {})
-    clock = kcache.FsClock(tmp_path)
+    clock = fsclock.FsClock(tmp_path)
     assert clock.measure()
     found = [(theirs, end - 0.188), (ours, end - 0.004)]
-    assert kcache.choose(tmp_path, found, ["k"], clock.until(end), clock.tick) == (ours,)
+    assert poclcache.choose(tmp_path, found, ["k"], clock.until(end), clock.tick) == (ours,)
     # Two that cannot be told apart: nothing, never both.
-    assert kcache.choose(tmp_path, [(theirs, end), (ours, end)], ["k"], clock.until(end), clock.tick) == ()
+    assert poclcache.choose(tmp_path, [(theirs, end), (ours, end)], ["k"], clock.until(end), clock.tick) == ()
 
 
 SHARED = r"""
@@ -335,7 +335,7 @@ def test_shared_pocl_cache_same_named_kernels_built_at_once(tmp_path):
             entry = Store(tmp_path / f"acc{v}").load(out["key"])
             # Told apart (a probe build where the stamps could not), never mixed up.
             assert entry is not None and out["stats"]["unidentified"] == 0, out["stats"]
-            assert len(kcache.entry_folders(entry.meta.files)) == 1  # never more than its own
+            assert len(poclcache.entry_folders(entry.meta.files)) == 1  # never more than its own
             # A new node hits it and gets its own value: the stored folder is this program's.
             warm = child_json(run_child(SHARED, str(tmp_path / f"acc{v}"), str(v), f"{salt}-{rnd}", "0"))
             assert warm["value"] == v and (warm["stats"]["hits"], warm["stats"]["rejected"]) == (1, 0)
@@ -413,24 +413,24 @@ def test_another_users_planted_folder_is_never_stored(tmp_path, other_user):
 def test_snapshot_refuses_files_of_others_and_bounds_what_it_reads(tmp_path):
     end = time.time()
     rel = _folder(tmp_path, "AB" + "C" * 38, end, {"k": end})
-    snap = kcache.folder_files(tmp_path, [rel])
+    snap = poclcache.folder_files(tmp_path, [rel])
     assert sorted(snap.files or []) == [f"{rel}/k/16-1-1-goffs0-smallgrid/k.so", f"{rel}/program.bc"]
     so = tmp_path / rel / "k" / "16-1-1-goffs0-smallgrid" / "k.so"
     os.chmod(so, 0o666)  # writable by anyone: anyone's code
-    with pytest.raises(kcache.Lost, match="refused"):
-        kcache.folder_files(tmp_path, [rel])
+    with pytest.raises(Lost, match="refused"):
+        poclcache.folder_files(tmp_path, [rel])
     os.chmod(so, 0o644)
     with open(tmp_path / rel / "huge.bin", "wb") as f:  # a sparse file far over the bound
         f.truncate(cachefiles.MAX_FILE_BYTES + 1)
     t0 = time.perf_counter()
-    with pytest.raises(kcache.Lost, match="too large"):
-        kcache.folder_files(tmp_path, [rel])
+    with pytest.raises(Lost, match="too large"):
+        poclcache.folder_files(tmp_path, [rel])
     assert time.perf_counter() - t0 < 1.0  # refused by its size, not read
     (tmp_path / rel / "huge.bin").unlink()
     (tmp_path / rel / "program.bc").unlink()
     os.link(so, tmp_path / rel / "program.bc")  # a hard link: made by whoever could write
-    with pytest.raises(kcache.Lost, match="hard links"):
-        kcache.folder_files(tmp_path, [rel])
+    with pytest.raises(Lost, match="hard links"):
+        poclcache.folder_files(tmp_path, [rel])
 
 
 def test_snapshot_and_restore_refuse_another_users_folder(tmp_path, other_user):
@@ -438,16 +438,16 @@ def test_snapshot_and_restore_refuse_another_users_folder(tmp_path, other_user):
     rel = _folder(tmp_path, "AB" + "C" * 38, end, {"k": end})
     for p in [tmp_path / rel, *(tmp_path / rel).rglob("*")]:
         os.chown(p, other_user.pw_uid, other_user.pw_gid, follow_symlinks=False)
-    with pytest.raises(kcache.Lost, match="owned by uid"):
-        kcache.folder_files(tmp_path, [rel])
+    with pytest.raises(Lost, match="owned by uid"):
+        poclcache.folder_files(tmp_path, [rel])
     with pytest.raises(OSError, match="owned by uid"):
-        cachefiles.restore(tmp_path, [f"{rel}/k/32-1-1/k.so"], [b"ours"], kcache.valid_file)
+        cachefiles.restore(tmp_path, [f"{rel}/k/32-1-1/k.so"], [b"ours"], poclcache.valid_file)
     assert not (tmp_path / rel / "k" / "32-1-1").exists()
 
 
 def test_an_unused_restore_is_taken_back(tmp_path):
     rel = "AB/" + "C" * 38
-    placed = cachefiles.restore(tmp_path, [f"{rel}/program.bc", f"{rel}/k/v/k.so"], [b"bc", b"so"], kcache.valid_file)
+    placed = cachefiles.restore(tmp_path, [f"{rel}/program.bc", f"{rel}/k/v/k.so"], [b"bc", b"so"], poclcache.valid_file)
     assert placed.count == 2
     (tmp_path / "AB" / "pocls").mkdir()  # pocl's own, meanwhile
     cachefiles.unrestore(tmp_path, placed)
@@ -456,14 +456,14 @@ def test_an_unused_restore_is_taken_back(tmp_path):
 
 def test_a_hit_check_needs_no_clock(tmp_path):
     rel = _folder(tmp_path, "AB" + "C" * 38, time.time(), {})
-    before = kcache.mark(tmp_path, rel)
-    assert not kcache.moved(tmp_path, rel, before)
+    before = poclcache.mark(tmp_path, rel)
+    assert not poclcache.moved(tmp_path, rel, before)
     open(tmp_path / rel / "last_accessed", "w").close()  # what pocl does, within the same second
-    assert kcache.moved(tmp_path, rel, before)
+    assert poclcache.moved(tmp_path, rel, before)
     (tmp_path / rel / "last_accessed").unlink()
-    assert not kcache.moved(tmp_path, rel, None)
+    assert not poclcache.moved(tmp_path, rel, None)
     (tmp_path / rel / "last_accessed").touch()
-    assert kcache.moved(tmp_path, rel, None)  # a new node: pocl made it
+    assert poclcache.moved(tmp_path, rel, None)  # a new node: pocl made it
 
 
 # }}}
@@ -507,12 +507,12 @@ def test_variants_are_seen_whatever_pocl_names_the_compiled_file(tmp_path):
     v.mkdir(parents=True)
     (tmp_path / rel / "program.bc").write_bytes(b"bc")
     (v / "parallel.bc").write_bytes(b"bc")  # written first (pocl 7.1): not compiled yet
-    assert not kcache.ready(tmp_path, [rel], ["k"], now - 1)
+    assert not poclcache.ready(tmp_path, [rel], ["k"], now - 1)
     (v / "k.so.o").write_bytes(b"o")
-    assert kcache.ready(tmp_path, [rel], ["k"], now - 1)
-    assert not kcache.ready(tmp_path, [rel], ["k"], now + 10)
-    assert kcache.valid_file(f"{rel}/k/64-1-1-goffs0-smallgrid/k.so.o")
-    snap = kcache.folder_files(tmp_path, [rel])
+    assert poclcache.ready(tmp_path, [rel], ["k"], now - 1)
+    assert not poclcache.ready(tmp_path, [rel], ["k"], now + 10)
+    assert poclcache.valid_file(f"{rel}/k/64-1-1-goffs0-smallgrid/k.so.o")
+    snap = poclcache.folder_files(tmp_path, [rel])
     assert f"{rel}/k/64-1-1-goffs0-smallgrid/k.so.o" in (snap.files or [])
 
 

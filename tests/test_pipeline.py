@@ -39,6 +39,7 @@ class Fake(Driver):
         self.gate.set()
         self.fetched: list[Purpose] = []
         self.stale_jobs: list[Job] = []
+        self.wrote: list[list[str] | None] = []  # what written() was told, in order
 
     def fetch(self, job: Job, purpose: Purpose, done) -> None:
         self.fetched.append(purpose)
@@ -57,10 +58,13 @@ class Fake(Driver):
         self.stale_jobs = list(jobs)
         return list(jobs)
 
+    def written(self, job: Job, snap: Snapshot) -> None:
+        self.wrote.append(snap.files)
+
 
 def _job(driver: Driver, key: str = "a" * 64) -> Job:
     info = KeyInfo(key, (DEVICE,), b"-DX=1", hashlib.sha256(b"src").hexdigest(), ())
-    return Job(info, b"src", b"-DX=1", [], ["log"], driver, kernels=("k",), built_to=1.0)
+    return Job(info, b"src", [], ["log"], driver, kernels=("k",), built_to=1.0)
 
 
 @pytest.fixture
@@ -102,14 +106,15 @@ def _run(pipeline: Pipeline, job: Job, purpose: Purpose = Purpose.SNAPSHOT_NOW) 
 
 def test_a_snapshot_is_published_whole_and_the_claim_released(store: Store, make) -> None:
     pipeline, counters = make()
-    job = _job(Fake(Snapshot([b"one", b"two"], files=["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"])))
+    driver = Fake(Snapshot([b"one", b"two"], files=["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"]))
+    job = _job(driver)
     _run(pipeline, job)
     s = counters.snapshot()
     assert (s.writes, s.skipped, s.errors, s.pending) == (1, 0, 0, 0)
     entry = store.load(job.key)
     assert entry is not None and entry.binaries == (b"one", b"two")
     assert entry.meta.files == ["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"] and entry.meta.kernels == ["k"]
-    assert job.claim is None and job.written_files == frozenset({"AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"})
+    assert not pipeline.holds_claim(job) and driver.wrote == [["AB/CDEFGHIJKL/program.bc", "AB/CDEFGHIJKL/k/4-1-1/k.so"]]
     claim = store.claim(job.key)  # released: another writer may take it now
     assert claim is not None
     claim.release()
@@ -162,7 +167,7 @@ def test_a_failed_fetch_writes_nothing_and_releases_the_claim(store: Store, make
     _run(pipeline, job)
     s = counters.snapshot()
     assert s.writes == 0 and getattr(s, counter) == 1, s
-    assert store.load(job.key) is None and job.claim is None
+    assert store.load(job.key) is None and not pipeline.holds_claim(job)
     errors = pipeline.take_errors()
     assert (errors == [error]) == (counter == "errors")
 
@@ -174,7 +179,7 @@ def test_a_warmup_counts_and_writes_nothing(store: Store, make) -> None:
     s = counters.snapshot()
     assert (s.warmups, s.writes) == (1, 0) and store.load(job.key) is None
     # The claim is kept for the snapshot that follows (the helper's key stays this process's).
-    assert job.claim is not None
+    assert pipeline.holds_claim(job)
     pipeline.fetch(job, Purpose.SNAPSHOT_NOW)
     assert pipeline.wait(30)
     assert counters.snapshot().writes == 1 and counters.snapshot().warmups == 1
@@ -228,6 +233,6 @@ def test_close_drops_what_is_on_its_way(store: Store, make) -> None:
     assert pipeline.wait(30)
     s = counters.snapshot()
     assert (s.writes, s.skipped, s.pending) == (0, 1, 0)
-    assert store.load(job.key) is None and job.claim is None
+    assert store.load(job.key) is None and not pipeline.holds_claim(job)
     pipeline.fetch(_job(driver, "d" * 64), Purpose.SNAPSHOT_NOW)  # after close: nothing
     assert pipeline.pending == 0 and driver.fetched == [Purpose.SNAPSHOT_NOW]

@@ -28,7 +28,7 @@ class _Inline(Driver):
 
 def _job(store: Store, key: str, seen) -> Job:
     info = KeyInfo(key, (DEVICE,), b"", hashlib.sha256(b"src").hexdigest(), ())
-    return Job(info, b"src", b"", [], [], _Inline(), seen=seen)
+    return Job(info, b"src", [], [], _Inline(), seen=seen)
 
 
 def _pipeline(store: Store) -> tuple[Pipeline, Counters, Workers]:

@@ -35,7 +35,7 @@ def stale(jobs):
     root = d.root
     for j in out:
         names = set(d._window(filecache.added_files(root, d.layout, d._lo(j.built_from)), j.built_from, d._end(j.built_to)))
-        new = sorted(names - j.written_files)
+        new = sorted(names - d._written.get(j, frozenset()))
         st, files = snap_at.get(j.key, (None, []))
         nxt = d._end(j.built_to)
         print(json.dumps({"i": keys.index(j.key) if j.key in keys else None, "built": [round(j.built_from - t0, 3), round(j.built_to - t0, 3)],

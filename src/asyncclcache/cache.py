@@ -1,9 +1,9 @@
 """The cache: the public API (:class:`Cache`, ``step()``, ``flush()``) and its wiring.
 
-Where a binary goes after ``build()``: :mod:`.program` builds, then tells the cache
-through its build interface (:meth:`Cache.lookup`, :meth:`Cache.record_hit`,
-:meth:`Cache.record_miss`, :meth:`Cache.reject`); a miss becomes a job of the
-:class:`~.pipeline.Pipeline`, which a driver from :mod:`.drivers` serves off the
+Where a binary goes after ``build()``: :mod:`.program` makes the key and hands the
+build over whole (a :class:`~.drivers.Build`) to :meth:`Cache.build`, which looks the
+key up and builds from the entry (the driver) or from source. A miss becomes a job of
+the :class:`~.pipeline.Pipeline`, which a driver from :mod:`.drivers` serves off the
 caller's thread and :class:`~.store.Store` writes under a per-key lock.
 """
 
@@ -15,16 +15,19 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from . import summary
 from .config import STRATEGIES, get_config, parse_size
-from .drivers import Driver, Job, Purpose, make_driver, resolve_strategy
+from .drivers import Build, Driver, Hit, HitOutcome, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
-from .errors import BackgroundError
+from .errors import BackgroundError, BinaryRejectedWarning
 from .pipeline import MAX_JOBS, Pipeline
 from .stats import Counters, Stats
 from .store import Stamp, Store
@@ -35,12 +38,25 @@ if TYPE_CHECKING:
 
     from .keys import KeyInfo
 
-__all__ = ["Cache", "Stats", "Step", "close_all", "default_cache", "exit_interrupted", "step"]
+__all__ = ["Built", "Cache", "Stats", "Step", "close_all", "default_cache", "exit_interrupted", "step"]
 
 logger = logging.getLogger(__name__)
 
 #: Bytes of entries kept in memory for repeated builds in one process.
 MEMORY_BUDGET = 64 << 20
+
+
+@dataclass(frozen=True)
+class Built:
+    """What :meth:`Cache.build` gives back: the built program, whether it came from an
+    entry, how (pyopencl's ``_build_duration_info`` wording) and in what time; on a hit,
+    the original build's logs, to be shown as pyopencl shows its own cache hits'."""
+
+    program: Any
+    hit: bool
+    description: str
+    seconds: float
+    replay: tuple[str, ...] = ()
 
 
 class Step:
@@ -128,8 +144,6 @@ class Cache:
         self._closed = False
         _CACHES.add(self)
         if cfg.stats:
-            from . import summary
-
             summary.register()
 
     def _start_fresh(self) -> None:
@@ -302,9 +316,63 @@ class Cache:
 
     # }}}
 
-    # {{{ the build interface (asyncclcache.program): cheap, on the caller's thread
+    # {{{ the build interface (asyncclcache.program): on the caller's thread
 
-    def lookup(self, info: KeyInfo) -> Entry | None:
+    def build(self, b: Build) -> Built:
+        """Build ``b``'s program: from its entry where one is stored (memory, then disk),
+        else from source, leaving the entry to the background. Raises what the source
+        build raises (pyopencl's errors, with the build log). Thread-safe; the caller
+        waits for no lock of the disk, no write and no compile but its own build's.
+
+        A stored entry the driver refuses is warned about (:class:`BinaryRejectedWarning`)
+        and removed; one it could not use for a cause that may be a setting is kept and
+        counted as rejected; both builds count as misses.
+        """
+        t0 = time.perf_counter()
+        looked_up_at = time.time()
+        entry = self._lookup(b.info)
+        self.record_overhead(time.perf_counter() - t0)
+        if entry is not None:
+            built = self._from_entry(b, entry, looked_up_at)
+            if built is not None:
+                return built
+        t0 = time.perf_counter()
+        built_from = time.time()
+        program = b.from_source()
+        built_to = time.time()
+        seconds = time.perf_counter() - t0
+        self._missed(b, program, looked_up_at, seconds, built_from, built_to)
+        return Built(program, False, "source build (binary retrieved in the background)", seconds)
+
+    def _from_entry(self, b: Build, entry: Entry, looked_up_at: float) -> Built | None:
+        """The hit policy, per :class:`HitOutcome`; ``None``: build from source."""
+        driver = self.driver_for(b.devices)
+        t0 = time.perf_counter()
+        built_from = time.time()
+        hit = driver.build_from_entry(entry, b)
+        seconds = time.perf_counter() - t0
+        if hit.outcome is HitOutcome.USED:
+            self._hit(b, entry, hit, seconds)
+            return Built(hit.program, True, "cache retrieval", seconds, replay=tuple(entry.meta.build_logs))
+        if hit.outcome is HitOutcome.REFUSED:
+            what = "binary" if entry.kind == "binary" else "kernel-cache files"
+            warnings.warn(
+                f"asyncclcache: the driver rejected the stored {what} {b.info.key[:12]} "
+                f"({hit.why}); rebuilding from source",
+                BinaryRejectedWarning,
+                stacklevel=5,  # the caller's build()
+            )
+            self._forget(b.info.key)
+            self.store.remove(b.info.key)  # the rebuilt program's entry replaces it
+            return None
+        if hit.outcome is HitOutcome.UNUSED:
+            self._forget(b.info.key)  # kept on disk: the cause may be a setting
+        # Built from source, the entry kept: a plain miss, whose entry replaces it where
+        # the driver makes one.
+        self._missed(b, hit.program, looked_up_at, seconds, built_from, time.time())
+        return Built(hit.program, False, "source build (stored entry could not be used here)", seconds)
+
+    def _lookup(self, info: KeyInfo) -> Entry | None:
         """The entry for ``info``'s key: from memory, else read and checked from disk."""
         with self._lock:
             entry = self._memory.get(info.key)
@@ -320,12 +388,9 @@ class Cache:
             self._remember(entry)
         return entry
 
-    def record_hit(
-        self, info: KeyInfo, entry: Entry, seconds: float, *, source: bytes,
-        devices: Sequence[cl.Device], folders: Sequence[str] = (),
-    ) -> None:
-        """A program was built from ``entry`` in ``seconds``. A driver that can tell cheaply
-        when the program gains variants (kcache) gets it watched, for a refresh at flush."""
+    def _hit(self, b: Build, entry: Entry, hit: Hit, seconds: float) -> None:
+        """A program was built from ``entry``. A driver that can tell cheaply when the
+        program gains variants (kcache) gets it watched, for a refresh at flush."""
         self._counters.add("hits")
         self._counters.add("seconds_saved", max(0.0, entry.meta.compile_seconds - seconds))
         self._count_in_step(hit=True)
@@ -333,19 +398,16 @@ class Cache:
             return
         # LRU bookkeeping: a cheap utime, off the caller's thread.
         self._workers.submit(lambda: self.store.touch(entry.key))
-        driver = self.driver_for(devices)
+        driver = self.driver_for(b.devices)
         if driver.watches_hits:
             meta = entry.meta
-            self._pipeline.watch(Job(
-                info, source, info.options, devices, list(meta.build_logs), driver,
-                kernels=tuple(meta.kernels), created=time.time(), build_seconds=meta.compile_seconds,
-                folders=tuple(folders), written_files=frozenset(meta.files or ()),
-            ))
+            job = Job(b.info, b.source, b.devices, list(meta.build_logs), driver,
+                      kernels=tuple(meta.kernels), created=time.time(), build_seconds=meta.compile_seconds)
+            driver.watch(job, entry, hit)
+            self._pipeline.watch(job)
 
-    def record_miss(
-        self, program: Any, info: KeyInfo, *, source: bytes, devices: Sequence[cl.Device],
-        logs: list[str], kernels: Sequence[str], looked_up_at: float, build_seconds: float,
-        built_from: float, built_to: float,
+    def _missed(
+        self, b: Build, program: Any, looked_up_at: float, seconds: float, built_from: float, built_to: float,
     ) -> None:
         """``program`` was built from source: its entry is written later, in the background.
 
@@ -353,48 +415,42 @@ class Cache:
         (``time.time()``) bracket the source build. A key that another process writes
         after this one's lookup is skipped: the lookup saw another file, or none.
         """
+        t0 = time.perf_counter()
         self._counters.add("misses")
         self._count_in_step(hit=False)
         with self._lock:
-            seen = self._seen.pop(info.key, None)
+            seen = self._seen.pop(b.info.key, None)
         if not (self.active and self.store.writable):
             return
-        driver = self.driver_for(devices)
+        driver = self.driver_for(b.devices)
+        logs, kernels = b.describe(program)
         job = Job(
-            info, source, info.options, devices, logs, driver, seen=seen,
+            b.info, b.source, b.devices, logs, driver, seen=seen,
             kernels=tuple(kernels), created=looked_up_at, built_from=built_from,
-            built_to=built_to, build_seconds=build_seconds,
+            built_to=built_to, build_seconds=seconds,
             # What the key saw: another process rebuilding it (the helper) needs the same.
             cwd=Job.caller_cwd(), environ=Job.caller_environ(),
+            program=program if driver.needs_program else None,  # kept alive until taken
         )
-        if driver.needs_program:
-            job.program = program  # kept alive until its binaries are taken
-        if not self._pipeline.add(job):
-            return  # the same program is already on its way
-        with self._lock:
-            step = self._steps[-1] if self._steps else None
-            if step is not None:
-                step.jobs.append(job)
-        driver.built(job)
-        if step is None:
-            self._pipeline.fetch(job, Purpose.SNAPSHOT)
-        elif driver.warms_up:
-            # The warm-up may run now, in the other process; the snapshot waits for the step.
-            self._pipeline.fetch(job, Purpose.WARMUP)
+        if self._pipeline.add(job):  # else: the same program is already on its way
+            with self._lock:
+                step = self._steps[-1] if self._steps else None
+                if step is not None:
+                    step.jobs.append(job)
+            driver.built(job)
+            if step is None:
+                self._pipeline.fetch(job, Purpose.SNAPSHOT)
+            elif driver.warms_up:
+                # The warm-up may run now, in the other process; the snapshot waits for the step.
+                self._pipeline.fetch(job, Purpose.WARMUP)
+        self.record_overhead(time.perf_counter() - t0)
 
-    def reject(self, info: KeyInfo) -> None:
-        """The driver refused the stored entry for ``info``: count it, forget it (memory
-        and disk); the rebuilt program's entry replaces it."""
-        self.record_unused(info)
-        self.store.remove(info.key)
-
-    def record_unused(self, info: KeyInfo) -> None:
-        """The driver built from source because it did not use the stored entry for
-        ``info``, for a cause that may lie in the environment: counted as rejected, and
-        forgotten in memory, but kept on disk (a miss's own entry replaces it)."""
+    def _forget(self, key: str) -> None:
+        """The driver did not use the entry of ``key``: counted as rejected, and forgotten
+        in memory."""
         self._counters.add("rejected")
         with self._lock:
-            old = self._memory.pop(info.key, None)
+            old = self._memory.pop(key, None)
             if old is not None:
                 self._memory_bytes -= old.nbytes
 
@@ -403,7 +459,7 @@ class Cache:
         self._counters.add("uncacheable")
 
     def record_overhead(self, seconds: float) -> None:
-        """Time the cache spent in a caller's thread (lookups, scheduling)."""
+        """Time the cache spent in a caller's thread (keys, lookups, scheduling)."""
         self._counters.add("main_thread_seconds", seconds)
 
     # }}}
@@ -519,3 +575,4 @@ def _close_all_at_exit() -> None:
 
 
 atexit.register(_close_all_at_exit)
+summary.attach(close_all, exit_interrupted)

@@ -30,7 +30,6 @@ from typing import IO, Any
 from .keys import FORMAT_VERSION
 
 __all__ = [
-    "KCACHE_TMP_PREFIX",
     "KINDS",
     "MAGIC",
     "Entry",
@@ -40,8 +39,7 @@ __all__ = [
     "encode",
     "layout_problem",
     "read_meta",
-    "valid_kcache_file",
-    "valid_pocl_file",
+    "safe_file",
 ]
 
 #: What an entry holds: per-device binaries, or pocl kernel-cache files (``meta["files"]``).
@@ -98,34 +96,16 @@ _CHECKS: dict[str, Any] = {
     "strategy": _str,
     "asyncclcache": _str,
 }
-#: Temp files of ours inside pocl's kernel-cache folders (never part of an entry).
-KCACHE_TMP_PREFIX = ".acc-tmp-"
-# pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
-_FOLDER_RE = (re.compile(r"[A-Za-z0-9]{2}"), re.compile(r"[A-Za-z0-9]{8,128}"))
-# A kernel name, a variant (``64-1-1-goffs0-smallgrid``) or a file; never ``.``/``..``.
+# A name in a driver's cache: never ``.``/``..`` nor hidden (our temp files start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
-# NVIDIA's compute cache (<1>/<1>/<14 hex>) and Mesa's shader cache (<2>/<38 or 62 hex>).
-_ITEM_RE = re.compile(r"[0-9a-f]/[0-9a-f]/[0-9a-f]{8,64}|[0-9a-f]{2}/[0-9a-f]{30,126}")
 
 
-def valid_pocl_file(rel: str) -> bool:
-    """True for ``XX/<hash>/<name>`` and ``XX/<hash>/<kernel>/<variant>/<name>``-like
-    paths of pocl's kernel cache: plain names, no ``..``, no absolute path, no temp
-    file of ours."""
+def safe_file(rel: str) -> bool:
+    """What a ``kcache`` entry may hold (checked before anything is written): a relative
+    path of 2 to 6 plain names. Each driver's layout checks its own names again before a
+    restore (``drivers/poclcache.py``, ``drivers/filecache.py``)."""
     parts = rel.split("/")
-    if not 3 <= len(parts) <= 6:
-        return False
-    if not (_FOLDER_RE[0].fullmatch(parts[0]) and _FOLDER_RE[1].fullmatch(parts[1])):
-        return False
-    names_ok = all(_NAME_RE.fullmatch(p) for p in parts[2:])
-    return names_ok and not parts[-1].startswith(KCACHE_TMP_PREFIX)
-
-
-def valid_kcache_file(rel: str) -> bool:
-    """What a ``kcache`` entry may hold (checked before anything is written): a path of
-    pocl's kernel cache (:func:`valid_pocl_file`) or an item of NVIDIA's or Mesa's cache.
-    Each driver's layout checks its own names again at a restore."""
-    return valid_pocl_file(rel) or _ITEM_RE.fullmatch(rel) is not None
+    return 2 <= len(parts) <= 6 and all(_NAME_RE.fullmatch(p) for p in parts)
 
 
 #: Framing fields that :func:`encode` adds and :func:`decode` checks; not metadata.
@@ -254,7 +234,7 @@ def layout_problem(entry: Entry) -> str | None:
             return "kernel-cache file list is missing"
         if len(files) != len(entry.binaries) or not files:
             return "kernel-cache file count does not match its contents"
-        bad = next((f for f in files if not valid_kcache_file(f)), None)
+        bad = next((f for f in files if not safe_file(f)), None)
         if bad is not None:
             return f"unsafe kernel-cache path {bad!r}"
         if len(set(files)) != len(files):

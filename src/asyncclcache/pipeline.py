@@ -20,18 +20,22 @@ the caller's thread on the disk, a lock or a compile.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from . import _version, maintenance
 from .drivers import Dropped, Job, Lost, Purpose, Snapshot
 from .entry import Entry, EntryMeta
 from .errors import WriteFailedWarning
+from .locks import Claim
 from .stats import Counters
 from .store import PublishResult, Stamp, Store
 from .workers import Workers
@@ -75,6 +79,7 @@ class Pipeline:
         self._closed = False
         self._swept = False
         self._size_estimate: int | None = None  # bytes on disk, scanned once, then tracked
+        self._tracks: weakref.WeakKeyDictionary[Job, _Track] = weakref.WeakKeyDictionary()
 
     # {{{ state
 
@@ -88,6 +93,17 @@ class Pipeline:
         """The job this process keeps for ``key`` (``None`` if none, or dropped)."""
         with self._lock:
             return self._jobs.get(key)
+
+    def _track(self, job: Job) -> _Track:
+        with self._lock:
+            track = self._tracks.get(job)
+            if track is None:
+                track = self._tracks[job] = _Track()
+            return track
+
+    def holds_claim(self, job: Job) -> bool:
+        """Whether this process holds ``job``'s key claim now (a fetch in flight)."""
+        return self._track(job).claim is not None
 
     def add(self, job: Job) -> bool:
         """Keep ``job`` (a program just built); False if the same key is already on its way."""
@@ -156,12 +172,12 @@ class Pipeline:
 
     # }}}
 
-    # {{{ the way of a job
+    # {{{ the way of a job: fetch, claim, driver, publish, and one end
 
     def fetch(self, job: Job, purpose: Purpose) -> None:
         """Start retrieving ``job``'s snapshot for ``purpose``. Cheap; any thread."""
         with self._lock:
-            if self._closed or job.yielded:
+            if self._closed or self._track(job).yielded:
                 return
             self._pending += 1
             self._inflight.add(job.key)
@@ -185,26 +201,34 @@ class Pipeline:
                 self.fetch(job, Purpose.REFRESH)
 
     def _start(self, job: Job, purpose: Purpose) -> None:
-        if job.claim is None:
-            try:
-                claim = self.store.claim(job.key)
-            except OSError as e:
-                try:
-                    self._write_failed(job, e)
-                finally:
-                    self._done(job)
-                return
-            if claim is None or (purpose is not Purpose.REFRESH and self._written_since(job)):
-                # Another process (rank) works on this key, or already wrote it: skip.
-                if claim is not None:
-                    claim.release()
-                with self._lock:
-                    job.yielded = True
-                self.counters.add("skipped")
-                self._done(job)
-                return
-            job.claim = claim
+        try:
+            end = self._claim(job, purpose)
+        except BaseException as e:  # noqa: BLE001 - every fetch ends in _end
+            self._end(job, _End.FAILED, e)
+            return
+        if end is not None:
+            self._end(job, end)
+            return
         job.driver.fetch(job, purpose, lambda snap, error: self._fetched(job, purpose, snap, error))
+
+    def _claim(self, job: Job, purpose: Purpose) -> _End | None:
+        """Take the key's claim for ``job`` (a writer thread); how the fetch ends if not."""
+        track = self._track(job)
+        if track.claim is not None:
+            return None
+        try:
+            claim = self.store.claim(job.key)
+        except OSError as e:
+            raise _WriteFailed(e) from None
+        if claim is None or (purpose is not Purpose.REFRESH and self._written_since(job)):
+            # Another process (rank) works on this key, or already wrote it: skip.
+            if claim is not None:
+                claim.release()
+            with self._lock:
+                track.yielded = True
+            return _End.SKIPPED
+        track.claim = claim
+        return None
 
     def _written_since(self, job: Job) -> bool:
         # Which file, not when: an entry's mtime is set before its fsync and rename, and
@@ -221,62 +245,54 @@ class Pipeline:
     ) -> None:
         # Runs in a driver's thread: hand disk I/O to the writers.
         with self._lock:
-            first = job.fetches == 0
-            job.fetches += 1
+            track = self._track(job)
+            first = track.fetches == 0
+            track.fetches += 1
         if first and job.driver.warms_up and error is None:
             self.counters.add("warmups")
         if error is not None:
-            self._release_claim(job)
-            if isinstance(error, Dropped):
-                self.counters.add("skipped")  # shut down first: not a failure
-            elif isinstance(error, Lost):
-                self.counters.add("unidentified")  # nothing to store: counted, not a failure
-                logger.info("asyncclcache: %s (%s)", error, job.key[:12])
-            else:
-                self.error(error)
-            self._done(job)
-            return
-        assert snap is not None
-        if purpose is Purpose.WARMUP:
-            self._done(job)
-            return
-        self.workers.submit(lambda: self._publish(job, purpose, snap))
+            self._end(job, _End.FAILED, error)
+        elif purpose is Purpose.WARMUP or snap is None:
+            self._end(job, _End.WARMED)
+        else:
+            self.workers.submit(lambda: self._publish(job, purpose, snap))
 
     def _publish(self, job: Job, purpose: Purpose, snap: Snapshot) -> None:
         # Writer thread.
         try:
-            digest = _digest(snap)
-            if purpose is Purpose.REFRESH and digest == job.written_digest:
-                return
-            with self._lock:
-                closed = self._closed
-            if closed:
-                self.counters.add("skipped")
-                return
-            entry = Entry(job.key, tuple(snap.blobs), _meta(job, purpose, snap))
-            try:
-                result = self.store.publish(entry, claim=job.claim)
-            except OSError as e:
-                self._write_failed(job, e)
-                return
-            if result is PublishResult.WRITTEN:
-                self._written(job, purpose, snap, entry, digest)
-            elif result is PublishResult.SKIPPED:
-                self.counters.add("skipped")
-        finally:
-            self._release_claim(job)
-            self._done(job)
+            end = self._write(job, purpose, snap)
+        except BaseException as e:  # noqa: BLE001 - every fetch ends in _end
+            self._end(job, _End.FAILED, e)
+        else:
+            self._end(job, end)
+
+    def _write(self, job: Job, purpose: Purpose, snap: Snapshot) -> _End:
+        track = self._track(job)
+        digest = _digest(snap)
+        if purpose is Purpose.REFRESH and digest == track.written_digest:
+            return _End.DONE  # unchanged
+        with self._lock:
+            if self._closed:
+                return _End.SKIPPED
+        entry = Entry(job.key, tuple(snap.blobs), _meta(job, purpose, snap))
+        try:
+            result = self.store.publish(entry, claim=track.claim)
+        except OSError as e:
+            raise _WriteFailed(e) from None
+        if result is PublishResult.SKIPPED:
+            return _End.SKIPPED
+        if result is PublishResult.WRITTEN:
+            self._written(job, purpose, snap, entry, digest)
+        return _End.DONE
 
     def _written(self, job: Job, purpose: Purpose, snap: Snapshot, entry: Entry, digest: str) -> None:
         self.counters.add("writes")
         self.counters.add("bytes_written", entry.nbytes)
         if purpose is Purpose.REFRESH:
             self.counters.add("refreshes")
+        job.driver.written(job, snap)
         with self._lock:
-            job.written_digest = digest
-            if snap.files is not None:
-                job.written_files = frozenset(snap.files)
-                job.folders = tuple(snap.folders or job.folders or ())
+            self._track(job).written_digest = digest
             if job.driver.refreshable:
                 self._refreshable.add(job.key)
             job.program = None  # the in-process program is no longer needed
@@ -305,10 +321,30 @@ class Pipeline:
             self._size_estimate = result.remaining
             self.counters.add("evictions", result.removed)
 
-    def _release_claim(self, job: Job) -> None:
-        claim, job.claim = job.claim, None
-        if claim is not None:
-            claim.release()
+    def _end(self, job: Job, end: _End, error: BaseException | None = None) -> None:
+        """Where every fetch ends, whatever its way: the claim released, the outcome
+        counted, the job no longer pending. Called once per :meth:`fetch` that counted."""
+        try:
+            track = self._track(job)
+            if end is not _End.WARMED:  # a warm-up keeps the key for the snapshot that follows
+                claim, track.claim = track.claim, None
+                if claim is not None:
+                    claim.release()
+            if isinstance(error, Dropped) or end is _End.SKIPPED:
+                self.counters.add("skipped")  # another process's key, or shut down first
+            elif isinstance(error, Lost):
+                self.counters.add("unidentified")  # nothing to store: counted, not a failure
+                logger.info("asyncclcache: %s (%s)", error, job.key[:12])
+            elif isinstance(error, _WriteFailed):
+                self._write_failed(job, error.error)
+            elif error is not None:
+                self.error(error)
+        finally:
+            with self._idle:
+                self._pending -= 1
+                self._inflight.discard(job.key)
+                if self._pending == 0:
+                    self._idle.notify_all()
 
     def _write_failed(self, job: Job, e: OSError) -> None:
         self.counters.add("write_errors")
@@ -318,14 +354,40 @@ class Pipeline:
             WriteFailedWarning,
         )
 
-    def _done(self, job: Job) -> None:
-        with self._idle:
-            self._pending -= 1
-            self._inflight.discard(job.key)
-            if self._pending == 0:
-                self._idle.notify_all()
-
     # }}}
+
+
+class _End(enum.Enum):
+    """How one fetch of a job ended (what :meth:`Pipeline._end` counts)."""
+
+    #: Written or found unchanged; or failed (with the error).
+    DONE = "done"
+    FAILED = "failed"
+    #: The driver's warm-up ran: the claim is kept for the snapshot that follows.
+    WARMED = "warmed"
+    #: Another process claimed or wrote the key, or the cache closed first.
+    SKIPPED = "skipped"
+
+
+class _WriteFailed(Exception):
+    """Our write (the claim or the entry) failed: warned and counted as a write error."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass(eq=False)
+class _Track:
+    """The pipeline's own state of one job, under its lock; ``claim`` is touched only by
+    the fetch in flight (at most one per job)."""
+
+    claim: Claim | None = None
+    #: Another process claimed the key: this one leaves it alone.
+    yielded: bool = False
+    fetches: int = 0
+    #: Digest of the snapshot last written, so a refresh writes only what changed.
+    written_digest: str | None = None
 
 
 def _digest(snap: Snapshot) -> str:
@@ -351,9 +413,9 @@ def _meta(job: Job, purpose: Purpose, snap: Snapshot) -> EntryMeta:
         strategy=job.driver.name,
         asyncclcache=_version.__version__,
         kernels=list(job.kernels),
-        # What a hit saves: the source build plus one code generation (the helper's
-        # warm-up measures one; the launch's costs about the same).
-        compile_seconds=job.build_seconds + (job.warmup_seconds or 0.0),
+        # What a hit saves: the source build plus what the driver compiled on its own (the
+        # helper's warm-up measures one code generation; the launch's costs about the same).
+        compile_seconds=job.build_seconds + snap.compile_seconds,
     )
 
 

@@ -1,10 +1,10 @@
 """The drop-in ``Program``, and ``install()`` for every ``pyopencl.Program`` in the process.
 
-``build()`` looks the key up (memory, then disk). On a hit the driver builds the
-program from the entry; on a miss it does a plain source build (never with
-pyopencl's cache-defeating uuid, docs/design.md F6), returns at once and leaves the
-entry to the cache's background work (:meth:`Cache.record_miss`). Only the cache's
-public build interface is used.
+A thin adapter: ``build()`` makes the key, hands the build over whole to
+:meth:`Cache.build` (a :class:`~.drivers.Build`) and leaves the result in the
+``pyopencl.Program`` as pyopencl's own build does. A miss is a plain source build
+(never with pyopencl's cache-defeating uuid, docs/design.md F6) that returns at once.
+pyopencl's private names are in :mod:`._pyopencl`.
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ import os
 import re
 import threading
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import pyopencl as cl
-from pyopencl import _cl
 
-from . import pocl_env
+from . import _pyopencl, pocl_env
+from ._pyopencl import PYOPENCL_BUILD
 from .cache import Cache, default_cache
 from .cuda_env import NVIDIA_PLATFORM_NAME
-from .drivers import Job, SourceBuild
-from .errors import BinaryRejectedWarning
+from .drivers import Build, Job
 from .keys import POCL_PLATFORM_NAME, make_key
 from .mesa_env import RUSTICL_PLATFORM_NAME
 
@@ -34,16 +32,12 @@ __all__ = ["Program", "install", "installed", "is_installed", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
-#: pyopencl's own ``Program.build``, whatever install() does later.
-_PYOPENCL_BUILD = getattr(cl.Program.build, "_asyncclcache_original", cl.Program.build)
-
-
 def _bypass_reason(prg: cl.Program, cache: Cache) -> str | None:
     if not cache.active:
         return "cache disabled" if cache.disabled else "cache closed"
     if not cache.store.enabled:
         return "cache directory unusable"
-    if getattr(prg, "_prg", None) is not None or not hasattr(prg, "_source"):
+    if _pyopencl.unbuilt_source(prg) is None:
         return "not a source program"  # binaries, IL, or already created
     return None
 
@@ -61,59 +55,48 @@ def cached_build(
     bad source. Thread-safe.
     """
     if _bypass_reason(prg, cache) is not None:
-        return _PYOPENCL_BUILD(prg, options, devices, cache_dir)
+        return PYOPENCL_BUILD(prg, options, devices, cache_dir)
+    t0 = time.perf_counter()
+    build = _build_of(prg, cache, options, devices)
+    if build is None:
+        # A header we cannot track for certain could change without changing the key.
+        cache.record_uncacheable()
+        return PYOPENCL_BUILD(prg, options, devices, cache_dir)
+    prg.cache_key = build.info.key  # type: ignore[attr-defined]
+    cache.record_overhead(time.perf_counter() - t0)
+    built = cache.build(build)
+    if built.replay:
+        _replay_logs(built.replay, build.devices)
+    _pyopencl.set_built(prg, built.program, built.description, built.hit, built.seconds)
+    return prg
 
-    t_start = time.perf_counter()
-    looked_up_at = time.time()
-    context: cl.Context = prg._context
-    options_bytes, include_path = prg._process_build_options(context, options)
+
+def _build_of(
+    prg: cl.Program, cache: Cache, options: str | Sequence[str] | None, devices: Sequence[cl.Device] | None,
+) -> Build | None:
+    """The hand-off of one build to the cache (``None``: its key is uncertain)."""
+    context = _pyopencl.context_of(prg)
+    options_bytes, include_path = _pyopencl.process_options(prg, options)
     devs = list(devices) if devices is not None else list(context.devices)
-    source = prg._source
+    source = _pyopencl.unbuilt_source(prg)
+    assert source is not None
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
-    driver = cache.driver_for(devs)
     folder, doubt = _source_folder(devs, options_bytes)
     if doubt is not None and include_path[:1] == ["."]:
         # pyopencl's "." stands for the folder beside the source: the doubt is about it.
         include_path = include_path[1:]
-    info = make_key(source_bytes, options_bytes, devs, include_path, kind=driver.kind,
+    info = make_key(source_bytes, options_bytes, devs, include_path, kind=cache.driver_for(devs).kind,
                     source_dir=folder, source_dir_doubt=doubt)
     if info.uncertain is not None:
-        # A header we cannot track for certain could change without changing the key.
         logger.info("asyncclcache: not caching a program: %s", info.uncertain)
-        cache.record_uncacheable()
-        return _PYOPENCL_BUILD(prg, options, devices, cache_dir)
-    prg.cache_key = info.key  # type: ignore[attr-defined]
-    entry = cache.lookup(info)
-    overhead = time.perf_counter() - t_start
-
-    def build_source() -> Any:
-        new = _cl._Program(context, source)
+        return None
+    return Build(
+        info, source_bytes, context, devs,
         # Same error path and message as pyopencl's uncached build.
-        prg._build_and_catch_errors(lambda: new.build(options_bytes, devices), options_bytes)
-        return new
-
-    built, hit, descr, duration = None, False, "", 0.0
-    if entry is not None:
-        built, hit, descr, duration = _from_entry(
-            cache, driver, entry, info, context, source_bytes, devs, options_bytes,
-            looked_up_at, build_source,
-        )
-
-    if built is None:
-        t0 = time.perf_counter()
-        built_from = time.time()
-        built = build_source()
-        built_to = time.time()
-        duration = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        _after_miss(cache, built, info, source_bytes, devs, looked_up_at, duration, built_from, built_to)
-        overhead += time.perf_counter() - t1
-        descr = "source build (binary retrieved in the background)"
-
-    prg._prg = built
-    cache.record_overhead(overhead)
-    prg._build_duration_info = (descr, hit, duration)
-    return prg
+        from_source=lambda: _pyopencl.built_from_source(prg, context, source, options_bytes, devices),
+        from_binaries=lambda binaries: _pyopencl.built_from_binaries(context, devs, binaries, options_bytes),
+        describe=lambda program: (_pyopencl.build_logs(program), _pyopencl.kernel_names(program)),
+    )
 
 
 def _source_folder(devices: Sequence[cl.Device], options: bytes) -> tuple[str | None, str | None]:
@@ -138,71 +121,7 @@ def _source_folder(devices: Sequence[cl.Device], options: bytes) -> tuple[str | 
                  "was not measured")
 
 
-def _from_entry(
-    cache: Cache, driver: Any, entry: Any, info: Any, context: cl.Context, source: bytes,
-    devs: list[cl.Device], options: bytes, looked_up_at: float, build_source: Any,
-) -> tuple[Any, bool, str, float]:
-    """A hit: (program or None, hit, description, seconds). A stored entry the driver
-    refuses warns and is dropped; if the driver built from source anyway, that is a miss."""
-    t0 = time.perf_counter()
-    built_from = time.time()
-    result = driver.build_from_entry(entry, SourceBuild(context, devs, options, build_source))
-    duration = time.perf_counter() - t0
-    if result.program is not None and result.used:
-        cache.record_hit(info, entry, duration, source=source, devices=devs, folders=result.folders)
-        _replay_logs(entry.meta.build_logs, devs)
-        return result.program, True, "cache retrieval", duration
-    if result.program is not None and not result.blame_entry:
-        # Our I/O failed, or the cause may be a setting (the driver warned): keep the
-        # entry; a plain miss, whose own entry replaces it where the driver makes one.
-        if result.rejected:
-            cache.record_unused(info)
-        _after_miss(cache, result.program, info, source, devs, looked_up_at, duration, built_from, time.time())
-        return result.program, False, "source build (stored entry could not be used here)", duration
-    what = "binary" if entry.kind == "binary" else "kernel-cache files"
-    warnings.warn(
-        f"asyncclcache: the driver rejected the stored {what} {info.key[:12]} "
-        f"({result.why}); rebuilding from source",
-        BinaryRejectedWarning,
-        stacklevel=4,
-    )
-    cache.reject(info)
-    if result.program is None:
-        return None, False, "", duration
-    # Built from source already (pocl did not use the stored folder): a miss.
-    _after_miss(cache, result.program, info, source, devs, looked_up_at, duration, built_from, time.time())
-    return result.program, False, "source build (stored kernel-cache files unused)", duration
-
-
-def _after_miss(
-    cache: Cache, built: Any, info: Any, source: bytes, devices: list[cl.Device],
-    looked_up_at: float, seconds: float, built_from: float, built_to: float,
-) -> None:
-    cache.record_miss(
-        built, info, source=source, devices=devices, logs=_build_logs(built),
-        kernels=_kernel_names(built), looked_up_at=looked_up_at, build_seconds=seconds,
-        built_from=built_from, built_to=built_to,
-    )
-
-
-def _kernel_names(prg: Any) -> list[str]:
-    try:
-        names = prg.get_info(cl.program_info.KERNEL_NAMES)
-    except cl.Error:
-        return []
-    return sorted(n for n in names.split(";") if n)
-
-
-def _build_logs(prg: Any) -> list[str]:
-    """The per-device build logs, or ``[]`` when all are empty (the usual case)."""
-    try:
-        logs = [log or "" for _dev, log in prg._get_build_logs()]
-    except cl.Error:
-        return []
-    return logs if any(log.strip() for log in logs) else []
-
-
-def _replay_logs(logs: list[str], devices: Sequence[cl.Device]) -> None:
+def _replay_logs(logs: Sequence[str], devices: Sequence[cl.Device]) -> None:
     # As pyopencl does for its own cache hits: the warnings of the original build.
     message = (75 * "=" + "\n").join(
         f"Build on {dev} succeeded, but said:\n\n{log}"
@@ -270,12 +189,12 @@ def _installed_build(
 ) -> cl.Program:
     cache = _installed_cache
     if cache is None:  # uninstalled meanwhile
-        return _PYOPENCL_BUILD(self, options, devices, cache_dir)
+        return PYOPENCL_BUILD(self, options, devices, cache_dir)
     return cached_build(self, cache, options, devices, cache_dir)
 
 
-_installed_build._asyncclcache_original = _PYOPENCL_BUILD  # type: ignore[attr-defined]
-_installed_build.__doc__ = _PYOPENCL_BUILD.__doc__
+_installed_build._asyncclcache_original = PYOPENCL_BUILD  # type: ignore[attr-defined]
+_installed_build.__doc__ = PYOPENCL_BUILD.__doc__
 
 
 def _stand_aside() -> str | None:
@@ -283,7 +202,7 @@ def _stand_aside() -> str | None:
 
     if get_config().disable:
         return "ASYNCCLCACHE_DISABLE is set"
-    if cl._PYOPENCL_NO_CACHE:
+    if _pyopencl.no_cache_requested():
         return "PYOPENCL_NO_CACHE is set"
     return None
 
@@ -316,7 +235,7 @@ def uninstall() -> None:
     """Restore pyopencl's own ``Program.build`` exactly. Idempotent and thread-safe."""
     global _installed_cache
     with _install_lock:
-        cl.Program.build = _PYOPENCL_BUILD  # type: ignore[method-assign]
+        cl.Program.build = PYOPENCL_BUILD  # type: ignore[method-assign]
         _installed_cache = None
 
 

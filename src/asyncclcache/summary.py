@@ -22,15 +22,27 @@ import time
 
 TYPE_CHECKING = False  # registered at start-up: typing is not loaded yet
 if TYPE_CHECKING:
-    from typing import Any
+    from collections.abc import Callable
+    from typing import Any, NoReturn
 
-__all__ = ["GATHER_TIMEOUT", "register", "summary_line"]
+__all__ = ["GATHER_TIMEOUT", "attach", "register", "summary_line"]
 
 #: Seconds rank 0 waits at exit for the other ranks' counters.
 GATHER_TIMEOUT = 10.0
 _TAG = 23_571  # below 32767, the smallest MPI_TAG_UB the standard allows
 _lock = threading.Lock()
 _registered = False
+#: The cache module's ``close_all`` and ``exit_interrupted``, handed over at its import
+#: (:func:`attach`); ``None``: no cache was ever made here, nothing to count.
+_hooks: tuple[Callable[[], list[tuple[str, Any]]], Callable[[], NoReturn]] | None = None
+
+
+def attach(close_all: Callable[[], list[tuple[str, Any]]], interrupted: Callable[[], NoReturn]) -> None:
+    """How the summary closes this process's caches and ends on a Ctrl-C at exit: the
+    cache module's own hooks, registered by it at import. Thread-safe."""
+    global _hooks
+    with _lock:
+        _hooks = (close_all, interrupted)
 
 
 def register() -> None:
@@ -49,12 +61,11 @@ def register() -> None:
 
 def _local() -> tuple[Any, list[str]]:
     """This process's counters over all its caches, and their directories."""
-    cache = sys.modules.get("asyncclcache.cache")
-    if cache is None:  # no cache was ever made: nothing to count
+    if _hooks is None:  # no cache was ever made: nothing to count
         return None, []
     from .stats import Stats
 
-    closed = cache.close_all()
+    closed = _hooks[0]()
     total = Stats()
     dirs: list[str] = []
     for directory, stats in closed:
@@ -84,10 +95,9 @@ def _at_exit() -> None:
     except KeyboardInterrupt:
         # Ctrl-C while the caches flushed (or ranks reported): no summary; end as Python
         # ends on Ctrl-C (the caches are closed by now: close_all drops what is pending).
-        cache = sys.modules.get("asyncclcache.cache")
-        if cache is None:
+        if _hooks is None:
             raise
-        cache.exit_interrupted()
+        _hooks[1]()
     except Exception as e:  # noqa: BLE001 - never fail interpreter exit
         sys.stderr.write(f"asyncclcache: no exit summary: {type(e).__name__}: {e}\n")
 

@@ -23,7 +23,7 @@ from .. import cuda_env, mesa_env, pocl_env
 from ..cuda_env import NVIDIA_PLATFORM_NAME
 from ..keys import POCL_PLATFORM_NAME
 from ..mesa_env import RUSTICL_PLATFORM_NAME
-from .base import Done, Driver, Dropped, Hit, Job, Lost, Purpose, Snapshot, SourceBuild
+from .base import Build, Done, Driver, Dropped, Hit, HitOutcome, Job, Lost, Purpose, Snapshot
 
 if TYPE_CHECKING:
     import pyopencl as cl
@@ -31,15 +31,16 @@ if TYPE_CHECKING:
     from ..workers import Workers
 
 __all__ = [
+    "Build",
     "Done",
     "Driver",
     "Dropped",
     "Hit",
+    "HitOutcome",
     "Job",
     "Lost",
     "Purpose",
     "Snapshot",
-    "SourceBuild",
     "auto_reason",
     "auto_strategy",
     "driver_cache",

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ..entry import Entry
     from ..keys import KeyInfo
 
-__all__ = ["Done", "Driver", "Dropped", "Hit", "Job", "Lost", "Purpose", "Snapshot", "SourceBuild"]
+__all__ = ["Build", "Done", "Driver", "Dropped", "Hit", "HitOutcome", "Job", "Lost", "Purpose", "Snapshot"]
 
 
 class Dropped(Exception):
@@ -42,26 +42,28 @@ class Purpose(enum.Enum):
 
 @dataclass
 class Snapshot:
-    """What a driver retrieved: per-device binaries (``files is None``), or pocl
-    kernel-cache files, ``blobs[i]`` being the content of ``files[i]``."""
+    """What a driver retrieved: per-device binaries (``files is None``), or the files of
+    a driver's own cache, ``blobs[i]`` being the content of ``files[i]``.
+    ``compile_seconds``: what the driver compiled for the program on its own (the
+    helper's generic variant), which a hit saves as well."""
 
     blobs: list[bytes]
     files: list[str] | None = None
-    folders: list[str] | None = None
+    compile_seconds: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """One built program whose binaries are wanted. Created by the cache, then written by
-    two owners, each to its own fields, and never by both at once (the pipeline has at most
-    one fetch of a key in flight): the pipeline (``claim``, ``yielded``, ``fetches``,
-    ``written_*``, on its writer threads; ``yielded`` under its lock) and the job's driver
-    (``queried_at``, ``warmup_seconds``, ``folders``, ``candidates``, on the driver's own
-    thread, before it calls ``done``)."""
+    """One built program whose binaries are wanted: the cache's facts about its build.
+
+    The cache sets every field when it creates the job, before anyone else sees it, and
+    nothing changes them after, but for ``program``, which the pipeline drops once an
+    entry is written. What the pipeline and each driver learn about a job they keep
+    themselves, keyed by the job (hashed by identity, so it can key a weak mapping).
+    """
 
     info: KeyInfo
     source: bytes
-    options: bytes
     devices: Sequence[cl.Device]
     logs: list[str]
     driver: Driver
@@ -71,31 +73,12 @@ class Job:
     #: The entry file the lookup saw (the store's stamp; ``None``: none): a file there
     #: that is not this one was written since, by someone else.
     seen: tuple[int, ...] | None = None
-    #: ``time.time()`` around the source build (pocl's kernel-cache folder is touched in it).
+    #: ``time.time()`` around the source build (a driver's cache is written in it).
     built_from: float = 0.0
     built_to: float = 0.0
     build_seconds: float = 0.0
-    #: The built program, kept alive for in-process strategies; ``None`` once done.
+    #: The built program, kept alive for in-process strategies; ``None`` once written.
     program: Any = None
-    #: Digest of the binaries last written, so a refresh writes only what changed.
-    written_digest: str | None = None
-    fetches: int = 0
-    #: The per-key claim (store lock) while this process works on the key.
-    claim: Any = None
-    #: Another process claimed the key: this one leaves it alone.
-    yielded: bool = False
-    #: The helper's first request (its generic compile); about one code generation.
-    warmup_seconds: float | None = None
-    #: When the driver's last snapshot was taken (variants older than that are in it).
-    queried_at: float = 0.0
-    #: kcache: folders touched in the build's window, with the touch time (``None``: not scanned).
-    candidates: tuple[tuple[str, float], ...] | None = None
-    #: kcache: the candidates came from a walk of every folder, not only the new ones.
-    scanned_all: bool = False
-    #: kcache: pocl's folders for this program, as last chosen (``None``: not yet).
-    folders: tuple[str, ...] | None = None
-    #: kcache: the files the last written entry holds.
-    written_files: frozenset[str] = frozenset()
     #: The caller's working directory at the build, where relative ``-I`` folders and a
     #: quoted ``#include`` resolve (``None``: unknown, so no other process may rebuild it).
     cwd: str | None = None
@@ -106,6 +89,11 @@ class Job:
     @property
     def key(self) -> str:
         return self.info.key
+
+    @property
+    def options(self) -> bytes:
+        """The build options as the driver got them (the key holds them)."""
+        return self.info.options
 
     @staticmethod
     def caller_cwd() -> str | None:
@@ -122,48 +110,69 @@ class Job:
         return {k: v for k, v in os.environ.items() if k.startswith("POCL_")}
 
 
-@dataclass(frozen=True)
-class SourceBuild:
-    """The program a hit stands for: where it is built, and how to build it from source
-    (the fallback, raising as pyopencl does)."""
+@dataclass(frozen=True, eq=False)
+class Build:
+    """One ``build()`` through the cache, as the pyopencl adapter (:mod:`asyncclcache.program`)
+    hands it over: made once per build, read-only, passed whole to the cache and to the
+    driver that builds from an entry. The callables raise as pyopencl does."""
 
+    info: KeyInfo
+    source: bytes
     context: cl.Context
     devices: Sequence[cl.Device]
-    options: bytes
-    build: Callable[[], Any]
+    #: Build a new program from the source (the fallback, and every miss).
+    from_source: Callable[[], Any]
+    #: Build a new program from per-device binaries (``pyopencl.Error`` if refused).
+    from_binaries: Callable[[Sequence[bytes]], Any]
+    #: ``(build logs, kernel names)`` of a program built from source.
+    describe: Callable[[Any], tuple[list[str], list[str]]]
+
+    @property
+    def options(self) -> bytes:
+        return self.info.options
 
 
 #: Called from a background thread with the snapshot or the error.
 Done = Callable[[Snapshot | None, BaseException | None], None]
 
 
-@dataclass
+class HitOutcome(enum.Enum):
+    """What became of a stored entry that a build found. The cache's policy per outcome
+    (:meth:`asyncclcache.Cache.build`) is in brackets."""
+
+    #: The program was built from the entry [a hit].
+    USED = "used"
+    #: The driver refused the entry before building: it is bad [warned, removed, and the
+    #: program built from source: a miss, whose entry replaces it].
+    REFUSED = "refused"
+    #: Built from source: the driver did not use the entry, for a cause that may be a
+    #: setting (pocl's cache elsewhere or off) [the driver warned once; counted as
+    #: rejected, kept on disk: a miss].
+    UNUSED = "unused"
+    #: Built from source: our own I/O could not put the entry in place [kept: a miss].
+    NOT_RESTORED = "not restored"
+
+
+@dataclass(frozen=True)
 class Hit:
-    """The outcome of building from a stored entry.
+    """The outcome of building from a stored entry: ``program`` is ``None`` only for
+    :attr:`HitOutcome.REFUSED`; ``why`` says why it was not used. ``folders``: which of
+    the entry's folders the driver used (kcache), for :meth:`Driver.watch`."""
 
-    ``program`` is the built program, or ``None`` when the driver rejected the entry
-    before building (then the caller builds from source). ``used`` is False when a
-    program was built but the entry's content was not what the driver used (kcache: pocl
-    computed another folder); ``why`` says why not. ``blame_entry`` is False when our own
-    I/O failed, not the entry (kcache: pocl's cache could not be written), or the cause
-    may be a setting (kcache: pocl did not use the restored folder): then the entry is
-    kept and the build counts as a plain miss; ``rejected`` counts the latter.
-    """
-
-    program: Any
-    used: bool
+    outcome: HitOutcome
+    program: Any = None
     why: str = ""
     folders: tuple[str, ...] = ()
-    blame_entry: bool = True
-    rejected: bool = False
 
 
 class Driver(ABC):
     """Retrieves a job's binaries off the caller's thread and reports through ``done``.
 
     ``fetch`` is called on a writer thread of the cache (on the caller's thread only for an
-    ``inline`` driver) and must return at once. The attributes say what the cache must do
-    differently; it never checks a name.
+    ``inline`` driver) and must return at once; the pipeline has at most one fetch of a
+    job in flight. What a driver learns about a job (its folders, what it wrote) it keeps
+    itself, and says which thread or lock guards it. The attributes say what the cache
+    must do differently; it never checks a name. Thread-safe.
     """
 
     name: str = ""
@@ -203,18 +212,23 @@ class Driver(ABC):
     def hurry(self) -> None:  # noqa: B027 - optional hook
         """``flush()`` or exit: stop waiting for launches, snapshot what is there now."""
 
-    def build_from_entry(self, entry: Entry, source: SourceBuild) -> Hit:
+    def build_from_entry(self, entry: Entry, build: Build) -> Hit:
         """Build the program from ``entry`` (caller's thread). Binary entries: create the
-        program from the stored binaries; a driver that refuses them gives ``Hit(None, ...)``."""
+        program from the stored binaries; a driver that refuses them: ``REFUSED``."""
         import pyopencl as cl
-        from pyopencl import _cl
 
         try:
-            built = _cl._Program(source.context, list(source.devices), list(entry.binaries))
-            built.build(source.options, list(source.devices))
+            program = build.from_binaries(entry.binaries)
         except cl.Error as e:
-            return Hit(None, False, f"{e.code}: {e.what if hasattr(e, 'what') else e}")
-        return Hit(built, True)
+            return Hit(HitOutcome.REFUSED, None, f"{e.code}: {e.what if hasattr(e, 'what') else e}")
+        return Hit(HitOutcome.USED, program)
+
+    def watch(self, job: Job, entry: Entry, hit: Hit) -> None:  # noqa: B027 - optional hook
+        """``job`` stands for a hit that the cache keeps for a refresh (``watches_hits``):
+        note what ``entry`` holds (caller's thread, cheap)."""
+
+    def written(self, job: Job, snap: Snapshot) -> None:  # noqa: B027 - optional hook
+        """An entry of ``job`` was written from ``snap`` (a writer thread; one at a time per job)."""
 
     def close(self, timeout: float | None = None) -> None:  # noqa: B027 - optional hook
         """Release threads and processes; pending fetches may be dropped."""

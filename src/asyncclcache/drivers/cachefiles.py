@@ -17,14 +17,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..entry import KCACHE_TMP_PREFIX as TMP_PREFIX
 from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError, insecure
 from .base import Lost
 
 __all__ = [
-    "MAX_ENTRY_BYTES", "MAX_FILES", "MAX_FILE_BYTES", "Placed", "read_trusted", "restore", "trusted_dir",
-    "unrestore", "untrusted",
+    "MAX_ENTRY_BYTES", "MAX_FILES", "MAX_FILE_BYTES", "TMP_PREFIX", "Placed", "read_trusted", "restore",
+    "trusted_dir", "unrestore", "untrusted",
 ]
+
+#: Our temp files inside a driver's cache while a restore writes (never part of an entry:
+#: a name that starts with a dot is no name of an entry, :func:`asyncclcache.entry.safe_file`).
+TMP_PREFIX = ".acc-tmp-"
 
 #: What one entry may hold: a driver's files of one program are far below these.
 MAX_FILE_BYTES = 256 << 20

@@ -39,6 +39,7 @@ import os
 import re
 import stat
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING
 from ..fileio import InsecurePathError
 from ..fsclock import FsClock, clock_for
 from .background import BackgroundDriver, Waiting
-from .base import Done, Hit, Job, Lost, Snapshot, SourceBuild
+from .base import Build, Done, Hit, HitOutcome, Job, Lost, Snapshot
 from .cachefiles import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trusted_dir, untrusted
 
 if TYPE_CHECKING:
@@ -100,8 +101,9 @@ def added_files(root: Path, layout: Layout, lo: float) -> dict[str, float]:
     """``{relative path: ctime}`` of the item files created or renamed into
     place (or written last) at stamp ``lo`` or later. Only directories changed since
     ``lo - DIR_SLACK`` are listed (a new file changes its directory's stamp), so a large
-    cache costs one stat per directory. What we may not trust (:func:`~.kcache.untrusted`: another owner, writable
-    by others, a second link) and symbolic links are left out."""
+    cache costs one stat per directory. What we may not trust
+    (:func:`~.cachefiles.untrusted`: another owner, writable by others, a second link)
+    and symbolic links are left out."""
     out: dict[str, float] = {}
     level = [("", str(root))]
     for _ in range(layout.depth):
@@ -200,6 +202,9 @@ class FileCacheDriver(BackgroundDriver):
         #: hit's check must not take a file that another hit restored, or that an entry holds
         #: and the driver made at start-up, for a file the driver added for it (bounded).
         self._known: dict[str, None] = {}
+        #: The files each job's last written entry holds (written by the pipeline's writer
+        #: thread, :meth:`written`; a hit's by :meth:`watch` before the job is shared).
+        self._written: weakref.WeakKeyDictionary[Job, frozenset[str]] = weakref.WeakKeyDictionary()
         self.scans = 0
         self.unused = 0  # hits whose build added files to the driver's cache anyway
         self.left_out = 0  # files of a window not stored: bounds, trust rules, gone meanwhile
@@ -229,6 +234,14 @@ class FileCacheDriver(BackgroundDriver):
                 h.due = min(h.due, soon)
             self._cond.notify()
 
+    def watch(self, job: Job, entry: Entry, hit: Hit) -> None:
+        with self._cond:
+            self._written[job] = frozenset(entry.meta.files or ())
+
+    def written(self, job: Job, snap: Snapshot) -> None:
+        with self._cond:
+            self._written[job] = frozenset(snap.files or ())
+
     def stale(self, jobs: Sequence[Job]) -> list[Job]:
         """Hits whose build added files, and builds whose window gained files since their
         snapshot (Mesa compiles at the first launch, which may end long after it): their
@@ -236,7 +249,8 @@ class FileCacheDriver(BackgroundDriver):
         keys = {j.key for j in jobs}
         with self._cond:
             checks = [h for k, h in self._watches.items() if k in keys and h.added is None]
-        built = [j for j in jobs if j.key not in self._watches and j.built_to and j.written_files]
+            written = {j: self._written.get(j, frozenset()) for j in jobs}
+        built = [j for j in jobs if j.key not in self._watches and j.built_to and written[j]]
         added: dict[str, float] = {}
         if checks or built:
             # One scan for the hits not checked yet (flush and exit do not wait for the
@@ -249,24 +263,24 @@ class FileCacheDriver(BackgroundDriver):
                 self._check(h, added)
         with self._cond:
             grown = {k: h.added for k, h in self._watches.items() if h.added is not None}
-        out = [j for j in jobs if grown.get(j.key) and not grown[j.key] <= j.written_files]
+        out = [j for j in jobs if grown.get(j.key) and not grown[j.key] <= written[j]]
         out += [j for j in built
-                if not set(self._window(added, j.built_from, self._end(j.built_to))) <= j.written_files]
+                if not set(self._window(added, j.built_from, self._end(j.built_to))) <= written[j]]
         return out
 
-    def build_from_entry(self, entry: Entry, source: SourceBuild) -> Hit:
+    def build_from_entry(self, entry: Entry, build: Build) -> Hit:
         files = list(entry.meta.files or [])
         bad = next((f for f in files if not self.layout.valid(f)), None)
         if bad is not None:
-            return Hit(None, False, f"the entry holds {bad!r}, not a file of {self.layout.what}")
+            return Hit(HitOutcome.REFUSED, None, f"the entry holds {bad!r}, not a file of {self.layout.what}")
         since = time.time()
         self._started(since)
         try:
             restore(self.root, files, entry.binaries, self.layout.valid)
         except (OSError, ValueError) as e:
             self._warn_once("restore", f"could not restore {self.layout.what} ({e}); built from source")
-            return Hit(source.build(), False, f"restore failed: {e}", (), blame_entry=False)
-        program = source.build()
+            return Hit(HitOutcome.NOT_RESTORED, build.from_source(), f"restore failed: {e}")
+        program = build.from_source()
         until = time.time()
         with self._cond:
             self._known.update(dict.fromkeys(files))
@@ -280,7 +294,7 @@ class FileCacheDriver(BackgroundDriver):
                     del self._watches[next(iter(self._watches))]
                 self._start()
                 self._cond.notify()
-        return Hit(program, True, "", ())
+        return Hit(HitOutcome.USED, program)
 
     # }}}
 
@@ -347,7 +361,6 @@ class FileCacheDriver(BackgroundDriver):
                 self.count("left_out", left)
         except BaseException as e:  # noqa: BLE001 - reported through done
             return w.done, None, e
-        job.queried_at = time.time()
         return w.done, snap, None
 
     def _check(self, h: _Watch, added: dict[str, float]) -> None:

@@ -7,8 +7,6 @@ abort pocl 3.1 (F13): use the helper process there.
 
 from __future__ import annotations
 
-import time
-
 from ..binaries import program_binaries
 from ..workers import Workers
 from .base import Done, Driver, Job, Purpose, Snapshot
@@ -22,7 +20,6 @@ def _query(job: Job, done: Done) -> None:
     except Exception as e:  # noqa: BLE001 - reported through done
         done(None, e)
         return
-    job.queried_at = time.time()
     done(Snapshot(result), None)
 
 

@@ -24,16 +24,26 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import IO
 
 from ..keys import pocl_code_settings
 from . import _wire
 from .base import Done, Driver, Dropped, Job, Purpose, Snapshot
-from .kcache import build_candidates, find_folders, folders_per_build, kernel_cache_dir, mark, moved
+from .poclcache import (
+    build_candidates,
+    find_folders,
+    folders_per_build,
+    kernel_cache_dir,
+    mark,
+    moved,
+    newest_variant,
+    newest_variants,
+)
 
-__all__ = ["HelperDriver", "HelperError", "newest_variants"]
+__all__ = ["HelperDriver", "HelperError"]
 
 logger = logging.getLogger(__name__)
 #: Restarts after a helper crash before the driver gives up for this process.
@@ -42,57 +52,6 @@ MAX_RESTARTS = 3
 #: on a machine with no idle core can take long. A request: one program's generic compile.
 HELLO_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 1800.0
-
-
-def newest_variants() -> dict[str, float] | None:
-    """Kernel name -> newest modification time of its compiled variants in pocl's cache.
-
-    pocl keeps ``<dir>/<XX>/<program hash>/<kernel>/<variant>/``; a launch with a new
-    local size adds a variant (the generic one, ``0-0-0``, comes from binary queries).
-    One walk answers "did this program's kernels gain variants since its snapshot?"
-    for every program at once. ``None`` if the layout is
-    not what we expect (then every entry is refreshed).
-    """
-    root = kernel_cache_dir()
-    if root is None or not root.is_dir():
-        return None
-    newest: dict[str, float] = {}
-    try:
-        for prefix in os.scandir(root):
-            if not prefix.is_dir(follow_symlinks=False):
-                continue
-            for program in os.scandir(prefix.path):
-                if not program.is_dir(follow_symlinks=False):
-                    continue
-                for kernel, t in _variant_times(program.path):
-                    if t > newest.get(kernel, 0.0):
-                        newest[kernel] = t
-    except OSError:
-        return None
-    return newest
-
-
-def _variant_times(program_dir: str | Path) -> list[tuple[str, float]]:
-    """``(kernel, mtime)`` of each compiled variant in one program folder of pocl's cache,
-    except the generic ``0-0-0...`` one (the helper's own query makes that). Raises OSError."""
-    out = []
-    for kernel in os.scandir(program_dir):
-        if not kernel.is_dir(follow_symlinks=False):
-            continue
-        for variant in os.scandir(kernel.path):
-            if variant.is_dir(follow_symlinks=False) and not variant.name.startswith("0-0-0"):
-                out.append((kernel.name, variant.stat(follow_symlinks=False).st_mtime))
-    return out
-
-
-def _newest_variant(root: Path, folders: Sequence[str]) -> float:
-    newest = 0.0
-    for folder in folders:
-        try:
-            newest = max([newest] + [t for _, t in _variant_times(root / folder)])
-        except OSError:
-            return float("inf")  # gone or unreadable: ask the helper
-    return newest
 
 
 # Lower the priority before anything is imported: starting Python and pyopencl is CPU
@@ -112,6 +71,18 @@ sys.exit(main())
 
 class HelperError(RuntimeError):
     """The helper process failed a request or died."""
+
+
+@dataclass
+class _Asked:
+    """What the driver learnt about one job: written by the client thread only."""
+
+    #: pocl's folders of the program (``None``: not looked up yet; ``()``: not found).
+    folders: tuple[str, ...] | None = None
+    #: When the last answer came (variants older than that are in it).
+    queried_at: float = 0.0
+    #: The first request's time: the helper's generic compile, about one code generation.
+    warmup_seconds: float | None = None
 
 
 def _helper_env(pocl: Mapping[str, str]) -> dict[str, str]:
@@ -148,6 +119,14 @@ class HelperDriver(Driver):
         self.helper_pid: int | None = None
         self.priority: str | None = None
         self._code: dict[str, str] | None = None  # the running helper's code settings
+        self._asked: weakref.WeakKeyDictionary[Job, _Asked] = weakref.WeakKeyDictionary()
+
+    def _of(self, job: Job) -> _Asked:
+        with self._lock:
+            asked = self._asked.get(job)
+            if asked is None:
+                asked = self._asked[job] = _Asked()
+            return asked
 
     def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
         with self._lock:
@@ -218,7 +197,7 @@ class HelperDriver(Driver):
             except BaseException as e:  # noqa: BLE001 - reported through done
                 done(None, e)
             else:
-                done(Snapshot(binaries), None)
+                done(Snapshot(binaries, compile_seconds=self._of(job).warmup_seconds or 0.0), None)
         self._stop_proc()
 
     def _helper_for(self, job: Job) -> subprocess.Popen[bytes]:
@@ -249,15 +228,16 @@ class HelperDriver(Driver):
             raise HelperError(f"the caller's working directory is unknown (gone?); "
                               f"{job.key[:12]} is not rebuilt elsewhere")
         proc = self._helper_for(job)
+        asked = self._of(job)
         root = kernel_cache_dir()
-        if root is not None:
+        if root is not None and asked.folders is None:
             # Before the helper builds it too (and touches its folder again): which folder
             # is this program's, so that refreshes look at its variants alone.
-            find_folders(root, [job])
+            asked.folders = find_folders(root, job)
         # Not told apart (programs built within one tick of each other): the helper's own
         # build of it touches exactly its folder, which a mark shows without a clock.
         marks = ({f: mark(root, f) for f in build_candidates(root, job)}
-                 if root is not None and job.folders == () else {})
+                 if root is not None and asked.folders == () else {})
         req: IO[bytes] = self._req  # type: ignore[assignment]
         ans: IO[bytes] = self._ans  # type: ignore[assignment]
         try:
@@ -283,14 +263,14 @@ class HelperDriver(Driver):
         self.requests += 1
         if marks and root is not None:
             touched = tuple(f for f, before in marks.items() if moved(root, f, before))
-            job.folders = touched if 0 < len(touched) <= folders_per_build(job) else ()
+            asked.folders = touched if 0 < len(touched) <= folders_per_build(job) else ()
         # pocl packs the blob at the end of the query: variants on disk before the answer
         # came are in it (a variant finishing in those last microseconds may be missed:
         # it costs the next run one compile, nothing else).
-        job.queried_at = time.time()
+        asked.queried_at = time.time()
         # The first request's time is the warm-up: about one code generation.
-        if job.warmup_seconds is None:
-            job.warmup_seconds = float(header.get("seconds", 0.0))
+        if asked.warmup_seconds is None:
+            asked.warmup_seconds = float(header.get("seconds", 0.0))
         return payloads
 
     def _stop_proc(self, timeout: float = 2.0) -> None:
@@ -322,9 +302,10 @@ class HelperDriver(Driver):
         newest = None
         out = []
         for job in jobs:
-            if job.folders:
+            asked = self._of(job)
+            if asked.folders:
                 # Per program: only its own folder's variants count.
-                latest = _newest_variant(root, job.folders)
+                latest = newest_variant(root, asked.folders)
             elif job.kernels:
                 if newest is None:
                     newest = newest_variants() or {}
@@ -333,7 +314,7 @@ class HelperDriver(Driver):
                 latest = float("inf")
             # The driver stamps when its last query answered (pocl packs at the end):
             # variants older than that are in the entry already.
-            if latest >= job.queried_at:
+            if latest >= asked.queried_at:
                 out.append(job)
         return out
 

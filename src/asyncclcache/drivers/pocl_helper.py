@@ -98,8 +98,7 @@ def main() -> int:
     warnings.simplefilter("ignore")
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
-    import pyopencl as cl
-
+    from asyncclcache import _pyopencl
     from asyncclcache.binaries import program_binaries
 
     devices = _Devices()
@@ -116,7 +115,7 @@ def main() -> int:
             source, options = payloads
             ctx, devs = devices.find(header["devices"])
             _enter(header.get("cwd"))
-            prg = cl._cl._Program(ctx, source)
+            prg = _pyopencl.source_program(ctx, source)
             prg.build(options, devs)
             binaries = program_binaries(prg, devs)
             del prg
