@@ -41,8 +41,8 @@ if os.environ.get("ACC_TEST_CLAIM_LOG"):
     log_fd = os.open(os.environ["ACC_TEST_CLAIM_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     note = lambda *words: os.write(log_fd, (" ".join(map(str, words)) + "\n").encode())
     claim, release, publish = st.Store.claim, st.Claim.release, st.Store.publish
-    def logged_claim(self, key):
-        c = claim(self, key)
+    def logged_claim(self, key, **kw):
+        c = claim(self, key, **kw)
         if c is not None:
             note("+", key, rank)
         return c

@@ -131,6 +131,9 @@ class Claim:
         self.path = path
         self._fds = [fd]  # popped once: a release racing another closes the fd only once
         self._pid = os.getpid()
+        #: The store's stamp of the entry file last published under this claim (``None``:
+        #: none); written by the store, read by the holder.
+        self.written: tuple[int, ...] | None = None
 
     def release(self) -> None:
         """Remove the lock file (while still holding it, so none piles up) and unlock."""

@@ -37,7 +37,7 @@ from .entry import Entry, EntryMeta
 from .errors import WriteFailedWarning
 from .locks import Claim
 from .stats import Counters
-from .store import PublishResult, Stamp, Store
+from .store import PublishResult, Store
 from .workers import Workers
 
 __all__ = ["MAX_JOBS", "Pipeline"]
@@ -74,7 +74,7 @@ class Pipeline:
         self._inflight: set[str] = set()
         self._refreshable: set[str] = set()
         # key -> the entry file this process wrote last (the newest MAX_JOBS keys).
-        self._wrote: OrderedDict[str, Stamp | None] = OrderedDict()
+        self._wrote: OrderedDict[str, tuple[int, ...] | None] = OrderedDict()
         self._errors: list[BaseException] = []
         self._closed = False
         self._swept = False
@@ -185,7 +185,7 @@ class Pipeline:
             self._start(job, purpose)
         else:
             # Claiming touches the disk: not on the caller's thread.
-            self.workers.submit(lambda: self._start(job, purpose))
+            self.workers.submit(self._start, job, purpose)
 
     def refresh(self) -> None:
         """Fetch again the written jobs whose programs gained variants (the driver tells)."""
@@ -216,29 +216,21 @@ class Pipeline:
         track = self._track(job)
         if track.claim is not None:
             return None
+        with self._lock:
+            # A refresh rewrites this process's own entry; anything else skips a key that
+            # another process (or this one, for another job of it) wrote since the lookup.
+            since = None if purpose is Purpose.REFRESH else (job.seen, self._wrote.get(job.key))
         try:
-            claim = self.store.claim(job.key)
+            claim = self.store.claim(job.key, unless_written_since=since)
         except OSError as e:
             raise _WriteFailed(e) from None
-        if claim is None or (purpose is not Purpose.REFRESH and self._written_since(job)):
+        if claim is None:
             # Another process (rank) works on this key, or already wrote it: skip.
-            if claim is not None:
-                claim.release()
             with self._lock:
                 track.yielded = True
             return _End.SKIPPED
         track.claim = claim
         return None
-
-    def _written_since(self, job: Job) -> bool:
-        # Which file, not when: an entry's mtime is set before its fsync and rename, and
-        # clocks of other hosts (NFS) differ. Rename gives every write a new inode.
-        # A file of this process's own (a second miss of a key whose first write was on
-        # its way at the lookup) needs no second write either.
-        now = self.store.stamp(job.key)
-        with self._lock:
-            ours = self._wrote.get(job.key)
-        return now is not None and (now != job.seen or now == ours)
 
     def _fetched(
         self, job: Job, purpose: Purpose, snap: Snapshot | None, error: BaseException | None
@@ -255,7 +247,7 @@ class Pipeline:
         elif purpose is Purpose.WARMUP or snap is None:
             self._end(job, _End.WARMED)
         else:
-            self.workers.submit(lambda: self._publish(job, purpose, snap))
+            self.workers.submit(self._publish, job, purpose, snap)
 
     def _publish(self, job: Job, purpose: Purpose, snap: Snapshot) -> None:
         # Writer thread.
@@ -282,10 +274,13 @@ class Pipeline:
         if result is PublishResult.SKIPPED:
             return _End.SKIPPED
         if result is PublishResult.WRITTEN:
-            self._written(job, purpose, snap, entry, digest)
+            # Which file this process wrote: a later claim of the key skips it (_claim).
+            self._written(job, purpose, snap, entry, digest, track.claim.written if track.claim else None)
         return _End.DONE
 
-    def _written(self, job: Job, purpose: Purpose, snap: Snapshot, entry: Entry, digest: str) -> None:
+    def _written(
+        self, job: Job, purpose: Purpose, snap: Snapshot, entry: Entry, digest: str, stamp: tuple[int, ...] | None,
+    ) -> None:
         self.counters.add("writes")
         self.counters.add("bytes_written", entry.nbytes)
         if purpose is Purpose.REFRESH:
@@ -296,8 +291,6 @@ class Pipeline:
             if job.driver.refreshable:
                 self._refreshable.add(job.key)
             job.program = None  # the in-process program is no longer needed
-        stamp = self.store.stamp(job.key)
-        with self._lock:
             self._wrote[job.key] = stamp
             self._wrote.move_to_end(job.key)
             while len(self._wrote) > MAX_JOBS:

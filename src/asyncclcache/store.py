@@ -96,6 +96,10 @@ def ranks(base: Path) -> list[int]:
 Stamp = tuple[int, int, int, int]
 
 
+#: A stamp as callers keep it (``None``: no file).
+AnyStamp = tuple[int, ...] | None
+
+
 def stamp_of(st: os.stat_result) -> Stamp:
     """The :data:`Stamp` of a ``stat`` result."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -366,25 +370,42 @@ class Store:
 
     # {{{ write
 
-    def claim(self, key: str) -> Claim | None:
+    def claim(
+        self, key: str, *, unless_written_since: tuple[AnyStamp, AnyStamp] | None = None,
+    ) -> Claim | None:
         """Take the per-key lock without blocking; ``None`` if another process holds it.
 
         The holder does the warm-up and the write for ``key``; everyone else skips.
         The lock is an ``flock``: a killed holder's claim expires with it. Pass the
         claim to :meth:`publish` and release it when done. Thread-safe.
+
+        ``unless_written_since=(seen, ours)``: also ``None`` (the lock given back) when
+        the key was written since the caller looked: an entry file is there that is not
+        ``seen`` (the :meth:`stamp` its lookup saw; ``None``: none), or that is ``ours``
+        (the caller's own last write). Which file, not when: an entry's mtime is set
+        before its fsync and rename, and clocks of other hosts (NFS) differ; a rename
+        gives every write a new inode.
         """
         if not self.writable:
             return None
         directory = self._fanout(key)
         self._make_dirs(directory)
-        return take(key, directory / (key + LOCK_SUFFIX))
+        claim = take(key, directory / (key + LOCK_SUFFIX))
+        if claim is not None and unless_written_since is not None:
+            seen, ours = unless_written_since
+            now = self.stamp(key)
+            if now is not None and (now != seen or now == ours):
+                claim.release()
+                return None
+        return claim
 
     def publish(
         self, entry: Entry, *, claim: Claim | None = None, write_hook: Any = None
     ) -> PublishResult:
         """Atomically write ``entry``, unless another writer holds its key.
 
-        With ``claim`` (from :meth:`claim`) the lock is already held and stays held.
+        With ``claim`` (from :meth:`claim`) the lock is already held and stays held;
+        ``claim.written`` is then the new file's :meth:`stamp`.
         Raises ``OSError`` for I/O failures (disk full, permissions) after removing
         its temp file: nothing partial is ever visible. ``write_hook``, if given, is
         called with the temp path before the data is written (tests widen the
@@ -409,6 +430,7 @@ class Store:
                 return PublishResult.SKIPPED
         try:
             atomic_write(self._fanout(key), self.path_for(key), data, write_hook)
+            claim.written = self.stamp(key)
         finally:
             if own:
                 claim.release()

@@ -7,11 +7,13 @@ raised into the submitting thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Workers"]
 
@@ -40,8 +42,8 @@ class Workers:
         self._lock = threading.Lock()
         self._stopped = False
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Queue ``fn``; threads start on first use. No-op after :meth:`stop`."""
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)``; threads start on first use. No-op after :meth:`stop`."""
         with self._lock:
             if self._stopped:
                 return
@@ -49,7 +51,7 @@ class Workers:
                 for t in self._threads:
                     t.start()
                 self._started = True
-        self._queue.put(fn)
+        self._queue.put(functools.partial(fn, *args) if args else fn)
 
     def _run(self) -> None:
         while True:
