@@ -85,6 +85,52 @@ class Step:
         return f"Step(built={self.built}, hits={self.hits}, misses={self.misses})"
 
 
+class _Memory:
+    """What a cache keeps in memory: the entries this process read or wrote (the least
+    recently used go past :data:`MEMORY_BUDGET` bytes), and which entry file each key's
+    last disk lookup saw (taken by the miss: see :attr:`Job.seen`). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._bytes = 0
+        self._seen: dict[str, Stamp | None] = {}
+
+    def get(self, key: str) -> Entry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def remember(self, entry: Entry) -> None:
+        with self._lock:
+            if entry.key in self._entries:
+                return
+            self._entries[entry.key] = entry
+            self._bytes += entry.nbytes
+            while self._bytes > MEMORY_BUDGET and len(self._entries) > 1:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.nbytes
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+
+    def saw(self, key: str, stamp: Stamp | None) -> None:
+        with self._lock:
+            self._seen[key] = stamp
+            while len(self._seen) > 2 * MAX_JOBS:
+                del self._seen[next(iter(self._seen))]
+
+    def seen(self, key: str) -> Stamp | None:
+        """What the last disk lookup of ``key`` saw, once (``None``: none, or no lookup)."""
+        with self._lock:
+            return self._seen.pop(key, None)
+
+
 _CACHES: weakref.WeakSet[Cache] = weakref.WeakSet()
 #: (directory, final counters) of every cache this process closed.
 _CLOSED: list[tuple[str, Stats]] = []
@@ -151,10 +197,7 @@ class Cache:
         # did not come along. Its claims (flocks) are shared with the parent: left alone.
         self._lock = threading.RLock()
         self._counters = Counters()
-        self._memory: OrderedDict[str, Entry] = OrderedDict()
-        self._memory_bytes = 0
-        #: key -> which entry file its last disk lookup saw (taken by the miss): see Job.seen.
-        self._seen: dict[str, Stamp | None] = {}
+        self._memory = _Memory()
         self._steps: list[Step] = []
         self._drivers: dict[str, Driver] = {}
         self._driver_by_devices: dict[tuple[int, ...], Driver] = {}
@@ -163,7 +206,7 @@ class Cache:
             lambda s: self._counters.add("background_cpu_seconds", s),
         )
         self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
-                                  on_written=self._remember)
+                                  on_written=self._memory.remember)
 
     def __repr__(self) -> str:
         return f"Cache({str(self.store.root)!r}, strategy={self.strategy!r})"
@@ -374,18 +417,13 @@ class Cache:
 
     def _lookup(self, info: KeyInfo) -> Entry | None:
         """The entry for ``info``'s key: from memory, else read and checked from disk."""
-        with self._lock:
-            entry = self._memory.get(info.key)
-            if entry is not None:
-                self._memory.move_to_end(info.key)
-                return entry
-        entry, stamp = self.store.lookup(info.key, info.devices)
-        with self._lock:
-            self._seen[info.key] = stamp
-            while len(self._seen) > 2 * MAX_JOBS:
-                del self._seen[next(iter(self._seen))]
+        entry = self._memory.get(info.key)
         if entry is not None:
-            self._remember(entry)
+            return entry
+        entry, stamp = self.store.lookup(info.key, info.devices)
+        self._memory.saw(info.key, stamp)
+        if entry is not None:
+            self._memory.remember(entry)
         return entry
 
     def _hit(self, b: Build, entry: Entry, hit: Hit, seconds: float) -> None:
@@ -418,8 +456,7 @@ class Cache:
         t0 = time.perf_counter()
         self._counters.add("misses")
         self._count_in_step(hit=False)
-        with self._lock:
-            seen = self._seen.pop(b.info.key, None)
+        seen = self._memory.seen(b.info.key)
         if not (self.active and self.store.writable):
             return
         driver = self.driver_for(b.devices)
@@ -449,10 +486,7 @@ class Cache:
         """The driver did not use the entry of ``key``: counted as rejected, and forgotten
         in memory."""
         self._counters.add("rejected")
-        with self._lock:
-            old = self._memory.pop(key, None)
-            if old is not None:
-                self._memory_bytes -= old.nbytes
+        self._memory.forget(key)
 
     def record_uncacheable(self) -> None:
         """A program built plainly because its key could not be known for certain."""
@@ -470,16 +504,6 @@ class Cache:
         with self._lock:
             if self._steps:
                 self._steps[-1]._count(hit)
-
-    def _remember(self, entry: Entry) -> None:
-        with self._lock:
-            if entry.key in self._memory:
-                return
-            self._memory[entry.key] = entry
-            self._memory_bytes += entry.nbytes
-            while self._memory_bytes > MEMORY_BUDGET and len(self._memory) > 1:
-                _, old = self._memory.popitem(last=False)
-                self._memory_bytes -= old.nbytes
 
     def _save_lifetime(self) -> None:
         if self.store.writable:
