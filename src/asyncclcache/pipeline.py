@@ -26,13 +26,12 @@ import logging
 import threading
 import time
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import _version, maintenance
-from .drivers import Dropped, Job, Lost, Purpose, Snapshot
+from .drivers import Dropped, Job, Lost, PerJob, Purpose, Snapshot
 from .entry import Entry, EntryMeta
 from .errors import WriteFailedWarning
 from .locks import Claim
@@ -79,7 +78,7 @@ class Pipeline:
         self._closed = False
         self._swept = False
         self._size_estimate: int | None = None  # bytes on disk, scanned once, then tracked
-        self._tracks: weakref.WeakKeyDictionary[Job, _Track] = weakref.WeakKeyDictionary()
+        self._track: PerJob[_Track] = PerJob(_Track)
 
     # {{{ state
 
@@ -93,13 +92,6 @@ class Pipeline:
         """The job this process keeps for ``key`` (``None`` if none, or dropped)."""
         with self._lock:
             return self._jobs.get(key)
-
-    def _track(self, job: Job) -> _Track:
-        with self._lock:
-            track = self._tracks.get(job)
-            if track is None:
-                track = self._tracks[job] = _Track()
-            return track
 
     def holds_claim(self, job: Job) -> bool:
         """Whether this process holds ``job``'s key claim now (a fetch in flight)."""

@@ -23,7 +23,7 @@ from .. import cuda_env, mesa_env, pocl_env
 from ..cuda_env import NVIDIA_PLATFORM_NAME
 from ..keys import POCL_PLATFORM_NAME
 from ..mesa_env import RUSTICL_PLATFORM_NAME
-from .base import Build, Done, Driver, Dropped, Hit, HitOutcome, Job, Lost, Purpose, Snapshot
+from .base import Build, Done, Driver, Dropped, Hit, HitOutcome, Job, Lost, PerJob, Purpose, Snapshot
 
 if TYPE_CHECKING:
     import pyopencl as cl
@@ -39,6 +39,7 @@ __all__ = [
     "HitOutcome",
     "Job",
     "Lost",
+    "PerJob",
     "Purpose",
     "Snapshot",
     "auto_reason",

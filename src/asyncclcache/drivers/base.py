@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     import pyopencl as cl
@@ -15,7 +17,11 @@ if TYPE_CHECKING:
     from ..entry import Entry
     from ..keys import KeyInfo
 
-__all__ = ["Build", "Done", "Driver", "Dropped", "Hit", "HitOutcome", "Job", "Lost", "Purpose", "Snapshot"]
+__all__ = [
+    "Build", "Done", "Driver", "Dropped", "Hit", "HitOutcome", "Job", "Lost", "PerJob", "Purpose", "Snapshot",
+]
+
+T = TypeVar("T")
 
 
 class Dropped(Exception):
@@ -108,6 +114,24 @@ class Job:
         """A copy of the ``POCL_*`` environment variables (what :func:`~asyncclcache.keys.code_settings`
         reads). Cheap: one pass over ``os.environ``."""
         return {k: v for k, v in os.environ.items() if k.startswith("POCL_")}
+
+
+class PerJob(Generic[T]):
+    """One owner's own state of each job (the pipeline's, a driver's): made by ``factory``
+    on first use, gone with the job (a weak mapping: the job is hashed by identity).
+    Thread-safe to look up; the state's docstring says who writes which field."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._states: weakref.WeakKeyDictionary[Job, T] = weakref.WeakKeyDictionary()
+
+    def __call__(self, job: Job) -> T:
+        with self._lock:
+            state = self._states.get(job)
+            if state is None:
+                state = self._states[job] = self._factory()
+            return state
 
 
 @dataclass(frozen=True, eq=False)

@@ -31,7 +31,6 @@ import logging
 import os
 import random
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _pyopencl
 from ..fsclock import EPS, FsClock, clock_for
 from .background import BackgroundDriver, Waiting
-from .base import Build, Done, Hit, HitOutcome, Job, Lost, Snapshot
+from .base import Build, Done, Hit, HitOutcome, Job, Lost, PerJob, Snapshot
 from .cachefiles import restore, unrestore
 from .poclcache import (
     LAST_ACCESSED,
@@ -119,14 +118,7 @@ class KcacheDriver(BackgroundDriver):
         self.unused = 0  # hits whose restored folder pocl did not use
         self.probes = 0  # cached rebuilds that told candidates apart (:meth:`_probe`)
         self._contexts: dict[tuple[int, ...], Any] = {}  # the probe's, on this thread only
-        self._found: weakref.WeakKeyDictionary[Job, _Found] = weakref.WeakKeyDictionary()
-
-    def _of(self, job: Job) -> _Found:
-        with self._cond:
-            found = self._found.get(job)
-            if found is None:
-                found = self._found[job] = _Found()
-            return found
+        self._of: PerJob[_Found] = PerJob(_Found)
 
     # {{{ caller's threads
 

@@ -24,14 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
 from ..keys import pocl_code_settings
 from . import _wire
-from .base import Done, Driver, Dropped, Job, Purpose, Snapshot
+from .base import Done, Driver, Dropped, Job, PerJob, Purpose, Snapshot
 from .poclcache import (
     build_candidates,
     find_folders,
@@ -119,14 +118,7 @@ class HelperDriver(Driver):
         self.helper_pid: int | None = None
         self.priority: str | None = None
         self._code: dict[str, str] | None = None  # the running helper's code settings
-        self._asked: weakref.WeakKeyDictionary[Job, _Asked] = weakref.WeakKeyDictionary()
-
-    def _of(self, job: Job) -> _Asked:
-        with self._lock:
-            asked = self._asked.get(job)
-            if asked is None:
-                asked = self._asked[job] = _Asked()
-            return asked
+        self._of: PerJob[_Asked] = PerJob(_Asked)
 
     def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
         with self._lock:
