@@ -85,3 +85,34 @@ def test_a_file_other_than_the_one_the_lookup_saw_is_someone_elses(tmp_path):
     for p, w in ((other, other_workers), (mine, workers)):
         p.close()
         w.stop(1.0)
+
+
+def test_a_claim_unless_written_since_is_given_back_for_any_other_file(tmp_path):
+    store = Store(tmp_path / "acc", rank_local=False)
+    key = "c" * 64
+    # No file, and the lookup saw none: the key is this process's to write.
+    claim = store.claim(key, unless_written_since=(None, None))
+    assert claim is not None
+    pipeline, _, workers = _pipeline(store)
+    try:
+        job = _job(store, key, None)
+        assert pipeline.add(job)
+        claim.release()
+        pipeline.fetch(job, Purpose.SNAPSHOT)
+        assert pipeline.wait(30)
+    finally:
+        workers.stop(5.0)
+    written = store.stamp(key)
+    assert written is not None
+    # A file the lookup did not see: someone else's write; the lock is given back.
+    assert store.claim(key, unless_written_since=(None, None)) is None
+    # The very file the lookup saw: still the caller's to replace...
+    again = store.claim(key, unless_written_since=(written, None))
+    assert again is not None
+    again.release()
+    # ...unless it is the caller's own last write.
+    assert store.claim(key, unless_written_since=(written, written)) is None
+    # Given back every time: a plain claim still gets the key.
+    last = store.claim(key)
+    assert last is not None
+    last.release()
