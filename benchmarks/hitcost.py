@@ -2,9 +2,11 @@
 """Where a warm hit's time goes on pocl: ``python benchmarks/hitcost.py [--programs 20]``.
 
 Fills an asyncclcache directory for the ``multi`` workload twice (strategy ``kcache`` and
-``process``), then, each in a fresh process on a new node (empty ``POCL_CACHE_DIR``),
-builds and launches every program from it, and from pocl's own cache on the same node.
-Prints per-phase seconds: restore (kcache: writing pocl's files), build, first launch.
+``process``), and bakes a copy of the ``kcache`` one (``asyncclcache bake``), then, each in
+a fresh process on a new node (empty ``POCL_CACHE_DIR``), builds and launches every
+program from it, and from pocl's own cache on the same node. Prints per-phase seconds:
+restore (kcache: writing pocl's files), build, first launch, and the files the launches
+added to pocl's cache (a compiled variant each).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,21 +40,28 @@ orig = kcache.restore
 def timed(*args, **kw):
     t = time.perf_counter(); r = orig(*args, **kw); restore_s[0] += time.perf_counter() - t; return r
 kcache.restore = timed
-cache = acc.Cache(acc_dir, strategy=mode) if mode in ("kcache", "process") else None
+cache = acc.Cache(acc_dir, strategy="kcache" if mode == "baked" else mode) if mode != "plain" else None
+root = os.environ["POCL_CACHE_DIR"]
+files = lambda: sum(len(f) for _, _, f in os.walk(root))
 build = launch = 0.0
+added = 0
 for p in WORKLOADS["multi"](programs=n):
     t0 = time.perf_counter()
     prg = acc.Program(ctx, p.source(), cache=cache).build() if cache else cl.Program(ctx, p.source()).build()
     t1 = time.perf_counter()
+    before = files()
+    t1b = time.perf_counter()
     for k in p.kernels:
         getattr(prg, k.name)(q, (WORK_ITEMS,), None, ad, ad, cd); q.finish()
-    launch += time.perf_counter() - t1
+    launch += time.perf_counter() - t1b
+    added += files() - before
     build += t1 - t0
 stats = cache.stats().as_dict() if cache else {}
 if cache:
     cache.flush(600); cache.close()
-print(json.dumps({"build_s": build, "launch_s": launch, "restore_s": restore_s[0],
-                  "hits": stats.get("hits"), "misses": stats.get("misses")}))
+print(json.dumps({"build_s": build, "launch_s": launch, "restore_s": restore_s[0], "launch_files": added,
+                  "hits": stats.get("hits"), "baked_hits": stats.get("baked_hits"),
+                  "misses": stats.get("misses")}))
 """
 
 
@@ -73,20 +83,25 @@ def main() -> int:
     for mode in ("kcache", "process"):
         d = str(work / mode)
         run(mode, d, args.programs, tempfile.mkdtemp(dir=work))  # cold: fills the directory
+    shutil.copytree(work / "kcache", work / "baked")
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bake = [sys.executable, "-m", "asyncclcache", "bake", "--dir", str(work / "baked")]
+    subprocess.run(bake, env=env, check=True)
     same = tempfile.mkdtemp(dir=work)
     run("plain", "-", args.programs, same)  # fills pocl's own cache on this node
     for _ in range(args.reps):
-        for mode in ("kcache", "process", "plain"):
+        for mode in ("kcache", "baked", "process", "plain"):
             pocl = same if mode == "plain" else tempfile.mkdtemp(dir=work)
             rows.setdefault(mode, []).append(run(mode, str(work / mode), args.programs, pocl))
     print(f"{args.programs} programs (multi workload), median of {args.reps}, seconds:")
-    print(f"{'':28s} {'restore':>8s} {'build':>8s} {'launch':>8s} {'total':>8s}")
-    names = {"kcache": "acc kcache, new node", "process": "acc process, new node",
-             "plain": "pocl's own cache, same node"}
+    print(f"{'':28s} {'restore':>8s} {'build':>8s} {'launch':>8s} {'total':>8s} {'launch files':>12s}")
+    names = {"kcache": "acc kcache, new node", "baked": "acc kcache baked, new node",
+             "process": "acc process, new node", "plain": "pocl's own cache, same node"}
     for mode, rs in rows.items():
-        med = {k: sorted(r[k] for r in rs)[len(rs) // 2] for k in ("restore_s", "build_s", "launch_s")}
+        med = {k: sorted(r[k] for r in rs)[len(rs) // 2]
+               for k in ("restore_s", "build_s", "launch_s", "launch_files")}
         print(f"{names[mode]:28s} {med['restore_s']:8.3f} {med['build_s']:8.3f} {med['launch_s']:8.3f} "
-              f"{med['build_s'] + med['launch_s']:8.3f}")
+              f"{med['build_s'] + med['launch_s']:8.3f} {med['launch_files']:12d}")
     return 0
 
 

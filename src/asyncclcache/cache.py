@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import summary
+from .bake import IdleBaker
 from .config import STRATEGIES, get_config, parse_size
 from .drivers import Build, Driver, Hit, HitOutcome, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
 from .errors import BackgroundError, BinaryRejectedWarning
+from .keys import baked_key
 from .pipeline import MAX_JOBS, Pipeline
 from .stats import Counters, Stats
 from .store import Stamp, Store
@@ -185,6 +187,7 @@ class Cache:
             raise ValueError(f"exit_timeout must be a finite number of seconds >= 0, got {exit_timeout!r}")
         self.max_size = parse_size(max_size) if max_size is not None else cfg.max_size
         self.store = Store(directory, rank_local=rank_local)
+        self._bake_idle = cfg.bake == "idle"
         self._nworkers = max(1, workers)
         self._start_fresh()
         self._closed = False
@@ -205,8 +208,11 @@ class Cache:
             self._nworkers, "asyncclcache-writer", self._background_error,
             lambda s: self._counters.add("background_cpu_seconds", s),
         )
+        #: Bakes the entries written here on idle cores (``ASYNCCLCACHE_BAKE=idle``); a forked
+        #: child starts its own.
+        self._baker = IdleBaker(self.store) if self._bake_idle and self.store.writable else None
         self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
-                                  on_written=self._memory.remember)
+                                  on_written=self._written)
 
     def __repr__(self) -> str:
         return f"Cache({str(self.store.root)!r}, strategy={self.strategy!r})"
@@ -296,6 +302,8 @@ class Cache:
         for d in drivers:
             d.close(grace)
         self._workers.stop(grace)
+        if self._baker is not None:
+            self._baker.close()  # never waited for: what it has not baked stays kcache
         pending = self._pipeline.pending
         if pending:
             logger.info("asyncclcache: exit with %d jobs pending: dropped", pending)
@@ -390,6 +398,10 @@ class Cache:
     def _from_entry(self, b: Build, entry: Entry, looked_up_at: float) -> Built | None:
         """The hit policy, per :class:`HitOutcome`; ``None``: build from source."""
         driver = self.driver_for(b.devices)
+        if driver.bakes and entry.kind == "kcache":
+            baked = self._from_baked(b, entry, driver)
+            if baked is not None:
+                return baked
         t0 = time.perf_counter()
         built_from = time.time()
         hit = driver.build_from_entry(entry, b)
@@ -414,6 +426,32 @@ class Cache:
         # the driver makes one.
         self._missed(b, hit.program, looked_up_at, seconds, built_from, time.time())
         return Built(hit.program, False, "source build (stored entry could not be used here)", seconds)
+
+    def _from_baked(self, b: Build, entry: Entry, driver: Driver) -> Built | None:
+        """A hit on the baked binary of ``entry``, where there is one (``asyncclcache bake``):
+        it loads at a binary's speed. One the driver refuses, or that lacks what the entry
+        gained since, is dropped (counted), and the entry's own files serve."""
+        key = baked_key(entry.key)
+        baked = self._memory.get(key)
+        if baked is None:
+            baked, _ = self.store.lookup(key, b.info.devices)
+            if baked is None:
+                return None
+            self._memory.remember(baked)
+        t0 = time.perf_counter()
+        hit = driver.build_from_baked(baked, entry, b)
+        seconds = time.perf_counter() - t0
+        if hit.outcome is HitOutcome.USED:
+            self._counters.add("baked_hits")
+            self._hit(b, entry, hit, seconds)
+            return Built(hit.program, True, "cache retrieval (baked binary)", seconds,
+                         replay=tuple(entry.meta.build_logs))
+        logger.info("asyncclcache: baked binary of %s not used (%s): dropped", entry.key[:12], hit.why)
+        self._counters.add("bakes_dropped")
+        self._memory.forget(key)
+        if self.active and self.store.writable:
+            self._workers.submit(self.store.remove, key)  # a later bake makes it again
+        return None
 
     def _lookup(self, info: KeyInfo) -> Entry | None:
         """The entry for ``info``'s key: from memory, else read and checked from disk."""
@@ -504,6 +542,12 @@ class Cache:
         with self._lock:
             if self._steps:
                 self._steps[-1]._count(hit)
+
+    def _written(self, entry: Entry) -> None:
+        # A writer thread: the pipeline wrote ``entry``.
+        self._memory.remember(entry)
+        if self._baker is not None and entry.meta.source is not None:
+            self._baker.add(entry.key)
 
     def _save_lifetime(self) -> None:
         if self.store.writable:

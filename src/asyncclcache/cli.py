@@ -1,7 +1,7 @@
 """The ``asyncclcache`` command (also ``python -m asyncclcache``).
 
 Commands: ``info``, ``list``, ``verify``, ``prune``, ``clear``, ``stats``, ``export``,
-``import``; ``run`` (:mod:`.runner`) and ``bench``. Every maintenance command takes
+``import``, ``bake`` (:mod:`.bake`); ``run`` (:mod:`.runner`) and ``bench``. Every maintenance command takes
 ``--dir`` and ``--json``. Human output fits 80 columns; the JSON keys are stable. Only
 ``import`` creates a cache directory.
 
@@ -76,6 +76,23 @@ def parse_age(text: str) -> float:
     return float(m.group(1)) * _AGE_UNIT[m.group(2)]
 
 
+def _jobs_arg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes, got {text!r}") from None
+    if not 1 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"expected 1 to 1024 processes, got {n}")
+    return n
+
+
+def _default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _size_arg(text: str) -> int:
     from .config import parse_size
 
@@ -146,7 +163,8 @@ def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any
             devices = [d.get("device_name", "?") for d in meta.devices]
             rows.append({
                 "key": e.key,
-                "kind": meta.kind if read is not None else None,
+                "kind": ("baked" if meta.baked_from else meta.kind) if read is not None else None,
+                "baked_from": meta.baked_from,
                 "kernels": meta.kernels,
                 "devices": devices,
                 "size": e.size,
@@ -240,6 +258,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         "rank_directories": [str(s.root) for s in stores if s.rank_local],
         "format_version": FORMAT_VERSION,
         "entries": len(rows),
+        "baked": sum(r["kind"] == "baked" for r in rows),
+        "kcache_entries": sum(r["kind"] == "kcache" for r in rows),
         "bytes": sum(r["size"] for r in rows),
         "max_size": cfg.max_size,
         "strategy": cfg.strategy,
@@ -257,6 +277,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     human += [
         f"  format         v{FORMAT_VERSION}",
         f"  entries        {info['entries']}  ({_human(info['bytes'])})",
+        f"  baked          {info['baked']} of {info['kcache_entries']} kernel-cache entries"
+        + ("" if info["baked"] >= info["kcache_entries"] else "  (asyncclcache bake makes the rest)"),
         f"  max size       {_human(cfg.max_size) if cfg.max_size else 'unlimited'}",
         f"  strategy       {cfg.strategy}",
     ]
@@ -273,7 +295,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         human.append(f"  OpenCL         unavailable: {info['opencl_error']}")
     human.append(
         f"  lifetime       {life['hits']:.0f} hits, {life['misses']:.0f} misses, "
-        f"{life['writes']:.0f} writes, {life['errors']:.0f} errors, "
+        f"{life['writes']:.0f} writes, {life['baked_hits']:.0f} baked hits, {life['errors']:.0f} errors, "
         f"{life['seconds_saved']:.1f} s saved"
     )
     _emit(args, info, human)
@@ -399,6 +421,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UsageError(f"no directory for rank {args.rank} under {_base(args)}")
     elif args.shared:
         stores = [s for s in stores if not s.rank_local]
+    if args.bake:
+        _bake(args, stores)
     try:
         r = export_archive(stores, args.file, device=args.device)
     except ArchiveError as e:
@@ -409,6 +433,46 @@ def cmd_export(args: argparse.Namespace) -> int:
         human += [f"  damaged  {d}" for d in r.damaged]
     _emit(args, {"file": str(args.file), "entries": r.entries, "bytes": r.bytes, "damaged": r.damaged}, human)
     return EXIT_OK
+
+
+def cmd_bake(args: argparse.Namespace) -> int:
+    result = _bake(args, _stores(args))
+    data = {"baked": result.baked, "skipped": result.skipped, "failed": result.failed,
+            "seconds": round(result.seconds, 3)}
+    human = [f"asyncclcache bake: {result.line()}"]
+    human += [f"  skipped {n:4d}  {why}" for why, n in sorted(result.skipped.items())]
+    human += [f"  failed  {n:4d}  {why}" for why, n in sorted(result.failed.items())]
+    _emit(args, data, human)
+    return EXIT_OK
+
+
+def _bake(args: argparse.Namespace, stores: list[Any]) -> Any:
+    """Bake ``stores`` with a progress line on a terminal; Ctrl-C stops it (entries whole)."""
+    from .bake import bake
+
+    _check_writable(stores, "bake")
+    tty = sys.stderr.isatty() and not args.json
+    t0 = time.monotonic()
+
+    def progress(result: Any, total: int) -> None:
+        if not tty:
+            return
+        done = result.done
+        elapsed = time.monotonic() - t0
+        left = elapsed / max(1, result.baked + sum(result.failed.values())) * (total - done)
+        sys.stderr.write(f"\rbaking: {done}/{total} entries, about {left:.0f} s left   ")
+        sys.stderr.flush()
+
+    try:
+        result = bake(stores, jobs=args.jobs, device=args.device, progress=progress)
+    except KeyboardInterrupt:
+        if tty:
+            sys.stderr.write("\n")
+        print("asyncclcache bake: interrupted; every entry is whole", file=sys.stderr)
+        raise
+    if tty:
+        sys.stderr.write("\r" + " " * 60 + "\r")
+    return result
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -498,7 +562,15 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--rank", type=int, help="only this MPI rank's directory")
     which.add_argument("--shared", action="store_true", help="only the shared (not rank-local) directory")
     p.add_argument(*device[0], **device[1])
+    p.add_argument("--bake", action="store_true", help="bake the kernel-cache entries first (see bake)")
+    p.add_argument("--jobs", type=_jobs_arg, default=_default_jobs(), help="worker processes of --bake")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("bake", parents=[common],
+                       help="make pocl kernel-cache entries into binaries that load at a binary's speed")
+    p.add_argument("--jobs", type=_jobs_arg, default=_default_jobs(),
+                   help="worker processes (default: the cores this process may use)")
+    p.add_argument(*device[0], **device[1])
+    p.set_defaults(func=cmd_bake)
     p = sub.add_parser("import", parents=[common],
                        help="merge an archive into the cache (checked first; exit 1 if refused)")
     p.add_argument("file", type=Path, help="archive made by export")

@@ -11,6 +11,8 @@
 ``ASYNCCLCACHE_MAX_SIZE``       size bound of the directory, e.g. ``500M``
 ``ASYNCCLCACHE_INSTALL``        ``1``: ``install()`` at interpreter start-up (:mod:`._startup`)
 ``ASYNCCLCACHE_STATS``          ``1``: one summary line at exit (:mod:`.summary`)
+``ASYNCCLCACHE_BAKE``           ``idle``: bake entries on idle cores during the run (:mod:`.bake`);
+                                ``off`` (the default)
 =============================== ===================================================
 """
 
@@ -25,9 +27,10 @@ from functools import lru_cache
 
 from ._flags import parse_bool
 
-__all__ = ["STRATEGIES", "Config", "get_config", "parse_bool", "parse_size"]
+__all__ = ["BAKE_MODES", "STRATEGIES", "Config", "get_config", "parse_bool", "parse_size"]
 
 STRATEGIES = ("auto", "kcache", "process", "thread", "sync")
+BAKE_MODES = ("off", "idle")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -63,6 +66,7 @@ class Config:
     max_size: int | None = None
     install: bool = False
     stats: bool = False
+    bake: str = "off"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str] | None = None) -> Config:
@@ -79,6 +83,9 @@ class Config:
         if not (math.isfinite(exit_timeout) and exit_timeout >= 0):
             raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected a finite number of seconds >= 0, "
                              f"got {e.get('ASYNCCLCACHE_EXIT_TIMEOUT')!r}")
+        bake = e.get("ASYNCCLCACHE_BAKE", "off").strip().lower() or "off"
+        if bake not in BAKE_MODES:
+            raise ValueError(f"ASYNCCLCACHE_BAKE: expected one of {BAKE_MODES}, got {bake!r}")
         try:
             max_size = parse_size(e.get("ASYNCCLCACHE_MAX_SIZE") or None)  # empty: unset
         except ValueError as err:
@@ -96,6 +103,7 @@ class Config:
             max_size=max_size,
             install=bool(parse_bool(e.get("ASYNCCLCACHE_INSTALL"), name="ASYNCCLCACHE_INSTALL")),
             stats=bool(parse_bool(e.get("ASYNCCLCACHE_STATS"), name="ASYNCCLCACHE_STATS")),
+            bake=bake,
         )
 
 

@@ -95,6 +95,9 @@ _CHECKS: dict[str, Any] = {
     "snapshot": _str,
     "strategy": _str,
     "asyncclcache": _str,
+    "source": lambda x: x is None or _str(x),
+    "baked_from": lambda x: x is None or _str(x),
+    "baked_files": lambda x: x is None or _str_list(x),
 }
 # A name in a driver's cache: never ``.``/``..`` nor hidden (our temp files start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
@@ -141,6 +144,13 @@ class EntryMeta(Mapping[str, Any]):
     snapshot: str = ""
     strategy: str = ""
     asyncclcache: str = ""
+    #: ``kcache``: the program's source (UTF-8, undecodable bytes escaped), which a bake
+    #: builds again (``None``: an entry of an earlier release; not bakeable).
+    source: str | None = None
+    #: A baked binary (``asyncclcache bake``): the key of the ``kcache`` entry it was
+    #: baked from, and that entry's files it packs (a hit checks they are all there).
+    baked_from: str | None = None
+    baked_files: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -65,10 +65,12 @@ __all__ = [
     "IncludeDep",
     "KeyInfo",
     "UncertainIncludes",
+    "baked_key",
     "code_settings",
     "device_identity",
     "find_include_deps",
     "host_cpu_features",
+    "key_of",
     "make_key",
     "pocl_code_settings",
     "scan_includes",
@@ -457,8 +459,6 @@ def make_key(
     entries of different kinds never share a key. ``source_dir`` is the folder of the file
     the compiler compiles (pocl's cache directory), searched first for the source's own
     ``#include "..."``, with ``source_dir_doubt`` (see :func:`find_include_deps`)."""
-    import pyopencl
-
     identities = tuple(device_identity(d) for d in devices)
     uncertain = None
     try:
@@ -468,17 +468,34 @@ def make_key(
     except UncertainIncludes as e:
         deps, uncertain = (), str(e)
     source_sha = hashlib.sha256(source).hexdigest()
+    key = key_of(devices, options, source_sha, [[d.path, d.sha256] for d in deps], kind=kind)
+    return KeyInfo(key, identities, options, source_sha, deps, uncertain)
+
+
+def key_of(
+    devices: Sequence[cl.Device], options: bytes, source_sha256: str, includes: Sequence[Sequence[str]],
+    *, kind: str = "binary",
+) -> str:
+    """The key of what :func:`make_key` found: with this process's pyopencl and settings
+    (``asyncclcache bake`` asks whether it would build an entry's program the same)."""
+    import pyopencl
+
     doc = {
         "format": FORMAT_VERSION,
         "pyopencl": pyopencl.VERSION_TEXT,
-        "devices": identities,
+        "devices": tuple(device_identity(d) for d in devices),
         "options": options.decode("utf-8", "surrogateescape"),
-        "source_sha256": source_sha,
-        "includes": [[d.path, d.sha256] for d in deps],
+        "source_sha256": source_sha256,
+        "includes": [list(i) for i in includes],
         "include_rule": INCLUDE_RULE,
         "environment": code_settings(devices),
     }
     if kind != "binary":
         doc["kind"] = kind
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8", "surrogateescape")
-    return KeyInfo(hashlib.sha256(blob).hexdigest(), identities, options, source_sha, deps, uncertain)
+    return hashlib.sha256(blob).hexdigest()
+
+
+def baked_key(key: str) -> str:
+    """The key of the baked binary of the ``kcache`` entry ``key`` (``asyncclcache bake``)."""
+    return hashlib.sha256(b"baked:" + key.encode()).hexdigest()

@@ -398,6 +398,8 @@ def _meta(job: Job, purpose: Purpose, snap: Snapshot) -> EntryMeta:
         strategy=job.driver.name,
         asyncclcache=_version.__version__,
         kernels=list(job.kernels),
+        # What a bake builds again (asyncclcache bake): only the driver's own cache needs it.
+        source=job.source.decode("utf-8", "surrogateescape") if job.driver.bakes else None,
         # What a hit saves: the source build plus what the driver compiled on its own (the
         # helper's warm-up measures one code generation; the launch's costs about the same).
         compile_seconds=job.build_seconds + snap.compile_seconds,

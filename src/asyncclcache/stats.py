@@ -43,6 +43,8 @@ class Stats:
     warmups: int = 0  # first binary queries in the helper (pocl's generic compile)
     refreshes: int = 0  # entries rewritten because the program gained variants
     rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
+    baked_hits: int = 0  # hits served by a baked binary (asyncclcache bake)
+    bakes_dropped: int = 0  # baked binaries not used at a hit (stale or refused), dropped
     unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
     uncacheable: int = 0  # builds not cached: an #include that cannot be resolved for certain
     incomplete_hits: int = 0  # driver caches: hits after which the driver wrote files anyway
@@ -65,8 +67,8 @@ class Stats:
         )
         extra = [
             f"{getattr(self, name)} {name.replace('_', ' ')}"
-            for name in ("warmups", "refreshes", "skipped", "rejected", "uncacheable",
-                         "unidentified", "incomplete_hits", "left_out", "write_errors", "errors")
+            for name in ("baked_hits", "bakes_dropped", "warmups", "refreshes", "skipped", "rejected",
+                         "uncacheable", "unidentified", "incomplete_hits", "left_out", "write_errors", "errors")
             if getattr(self, name)
         ]
         return text + (f" ({', '.join(extra)})" if extra else "")
@@ -127,6 +129,7 @@ class Counters:
 LIFETIME_FIELDS = (
     "runs",
     "hits",
+    "baked_hits",
     "misses",
     "writes",
     "write_errors",

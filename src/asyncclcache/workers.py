@@ -42,7 +42,7 @@ class Workers:
         self._lock = threading.Lock()
         self._stopped = False
 
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
         """Queue ``fn(*args)``; threads start on first use. No-op after :meth:`stop`."""
         with self._lock:
             if self._stopped:

@@ -212,6 +212,8 @@ class Driver(ABC):
     refreshable: bool = False
     #: A hit is worth watching for variants compiled after it (cheap to check).
     watches_hits: bool = False
+    #: Its entries can be baked into binaries (``asyncclcache bake``): a hit prefers those.
+    bakes: bool = False
     #: Set by the cache: receives the CPU seconds the driver's own threads spent.
     on_cpu: Callable[[float], None] | None = None
     #: Set by the cache: adds to one of its counters (a :class:`~asyncclcache.stats.Stats` field).
@@ -246,6 +248,11 @@ class Driver(ABC):
         except cl.Error as e:
             return Hit(HitOutcome.REFUSED, None, f"{e.code}: {e.what if hasattr(e, 'what') else e}")
         return Hit(HitOutcome.USED, program)
+
+    def build_from_baked(self, baked: Entry, entry: Entry, build: Build) -> Hit:
+        """Build the program from ``baked``, the baked binary of ``entry`` (``bakes``
+        drivers; caller's thread): ``REFUSED`` where it lacks what ``entry`` holds."""
+        return Hit(HitOutcome.REFUSED, None, f"{self.name} does not load baked binaries")
 
     def watch(self, job: Job, entry: Entry, hit: Hit) -> None:  # noqa: B027 - optional hook
         """``job`` stands for a hit that the cache keeps for a refresh (``watches_hits``):

@@ -48,6 +48,7 @@ from .poclcache import (
     entry_folders,
     folder_files,
     folders_per_build,
+    generic,
     listing,
     mark,
     moved,
@@ -104,6 +105,7 @@ class KcacheDriver(BackgroundDriver):
     needs_program = False
     refreshable = True
     watches_hits = True
+    bakes = True
     settle_seconds = SETTLE_SECONDS
 
     def __init__(self, root: Path) -> None:
@@ -142,14 +144,30 @@ class KcacheDriver(BackgroundDriver):
             self._cond.notify()
 
     def stale(self, jobs: Sequence[Job]) -> list[Job]:
-        # A refresh is a comparison of file names: rewrite only what gained a file.
+        # A refresh is a comparison of file names: rewrite only what gained a file. A
+        # generic variant is no gain: a baked binary unpacks one, no launch needs it.
         out = []
         for job in jobs:
             found = self._of(job)
             folders, written = found.folders, found.written
-            if folders and not listing(self.root, folders) <= written:
+            if folders and any(f not in written and not generic(f) for f in listing(self.root, folders)):
                 out.append(job)
         return out
+
+    def build_from_baked(self, baked: Entry, entry: Entry, build: Build) -> Hit:
+        import pyopencl as cl
+
+        files = entry.meta.files or []
+        packed = set(baked.meta.baked_files or ())
+        if baked.meta.baked_from != entry.key or not all(f in packed for f in files if not generic(f)):
+            # The folder gained variants since the bake: the binary would compile them again.
+            return Hit(HitOutcome.REFUSED, None, "baked before the entry gained variants")
+        try:
+            program = build.from_binaries(baked.binaries)
+        except cl.Error as e:
+            return Hit(HitOutcome.REFUSED, None, f"{e.code}: {e.what if hasattr(e, 'what') else e}")
+        # pocl unpacks the binary into the program's own folder, where launches add variants.
+        return Hit(HitOutcome.USED, program, "", tuple(entry_folders(files)))
 
     def watch(self, job: Job, entry: Entry, hit: Hit) -> None:
         self._of(job).folders = hit.folders

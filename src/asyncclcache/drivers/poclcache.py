@@ -43,6 +43,7 @@ __all__ = [
     "find_folders",
     "folder_files",
     "folders_per_build",
+    "generic",
     "kernel_cache_dir",
     "listing",
     "mark",
@@ -83,6 +84,14 @@ def valid_file(rel: str) -> bool:
         return False
     names_ok = all(_NAME_RE.fullmatch(p) for p in parts[2:])
     return names_ok and not parts[-1].startswith(TMP_PREFIX)
+
+
+def generic(rel: str) -> bool:
+    """A file of a generic variant (``<kernel>/0-0-0.../``): made by a binary query (a bake)
+    or unpacked from a binary, never by a launch; no launch needs it where the specialized
+    variant is there."""
+    parts = rel.split("/")
+    return len(parts) >= 5 and parts[3].startswith("0-0-0")
 
 
 def entry_folders(files: Sequence[str]) -> list[str]:

@@ -1,0 +1,418 @@
+"""``asyncclcache bake``: pocl's kernel-cache entries made into binaries that load at a
+binary's speed.
+
+A ``kcache`` hit is pocl's cached-source build: it still preprocesses the source and
+loads the bitcode (docs/design.md F21). Only a poclbinary skips that, and making one
+costs a generic compile per program (F1), which must never run in a job's way (F18).
+So it runs here, where a core is idle: after the job, on a login node, in an image's
+build step, before an export (``export --bake``), or during the run on idle cores
+(``ASYNCCLCACHE_BAKE=idle``, :class:`IdleBaker`).
+
+For each ``kcache`` entry of a device present here, in a worker process with a private
+``POCL_CACHE_DIR``: restore the entry's folder, build the program from its source (a pocl
+hit, checked without a clock: pocl touched the restored folder), take the BINARIES
+answer, which packs the folder's specialized variants and the generic one, and publish
+it under :func:`~.keys.baked_key` with the same claim, checksum and atomic publish as
+every write. An entry is baked only where this process computes the same key for it
+(the same pyopencl, ``POCL_*`` settings and header contents): when in doubt, skip.
+A hit prefers the baked binary while it holds every file of its entry
+(:meth:`.drivers.kcache.KcacheDriver.build_from_baked`).
+
+Thread- and process-safe: any number of bakes and jobs may share a directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import _version
+from .entry import Entry, EntryMeta
+from .keys import baked_key
+from .store import Store
+
+__all__ = ["BakeResult", "IdleBaker", "bake", "to_bake"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BakeResult:
+    """What a bake did. ``skipped`` and ``failed`` map a reason to how many entries."""
+
+    baked: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    interrupted: bool = False
+
+    def count(self, status: str, why: str) -> None:
+        if status == "baked":
+            self.baked += 1
+        else:
+            box = self.skipped if status == "skipped" else self.failed
+            box[why] = box.get(why, 0) + 1
+
+    @property
+    def done(self) -> int:
+        return self.baked + sum(self.skipped.values()) + sum(self.failed.values())
+
+    def line(self) -> str:
+        skipped, failed = sum(self.skipped.values()), sum(self.failed.values())
+        text = f"baked {self.baked}, skipped {skipped}, failed {failed}, {self.seconds:.1f} s"
+        return text + (" (interrupted: every entry is whole)" if self.interrupted else "")
+
+
+# {{{ which entries
+
+
+def to_bake(store: Store, device: str | None = None) -> tuple[list[str], dict[str, int]]:
+    """The keys of ``store``'s ``kcache`` entries that a bake here would make a binary of,
+    and why the others are left (reason -> count). Reads metadata only. Thread-safe."""
+    import pyopencl as cl
+
+    from .drivers import is_pocl_cpu
+    from .keys import device_identity
+
+    here = [device_identity(d) for p in cl.get_platforms() for d in p.get_devices() if is_pocl_cpu(d)]
+    keys: list[str] = []
+    left: dict[str, int] = {}
+
+    def leave(why: str) -> None:
+        left[why] = left.get(why, 0) + 1
+
+    for e in sorted(store.entries(), key=lambda e: e.key):
+        meta = store.read_meta(e.path)
+        if meta is None or meta.kind != "kcache" or meta.baked_from is not None:
+            continue  # damaged (verify says), or not pocl's folder
+        if meta.source is None:
+            leave("no source (written by an earlier release)")
+        elif not meta.devices or not all(d in here for d in meta.devices):
+            leave("its device is not here")
+        elif device is not None and not meta.for_device(device):
+            leave("another device than --device")
+        elif _baked_fresh(store, e.key, meta):
+            leave("already baked")
+        else:
+            keys.append(e.key)
+    return keys, left
+
+
+def _baked_fresh(store: Store, key: str, meta: EntryMeta) -> bool:
+    from .drivers.poclcache import generic
+
+    baked = store.read_meta(store.path_for(baked_key(key)))
+    if baked is None or baked.baked_from != key:
+        return False
+    packed = set(baked.baked_files or ())
+    return all(f in packed for f in meta.files or () if not generic(f))
+
+
+# }}}
+
+# {{{ one entry, in a worker process
+
+
+class _Worker:
+    """Bakes entries in this process: a private pocl kernel cache, emptied before each
+    entry, and one context per set of devices. Not thread-safe (one per process)."""
+
+    def __init__(self, pocl_dir: Path) -> None:
+        import pyopencl as cl
+
+        from .drivers import is_pocl_cpu
+        from .keys import device_identity
+
+        self.pocl_dir = pocl_dir
+        self._cl = cl
+        self._devices = [(device_identity(d), d) for p in cl.get_platforms() for d in p.get_devices()
+                         if is_pocl_cpu(d)]
+        self._contexts: dict[tuple[int, ...], Any] = {}
+
+    def bake(self, store: Store, key: str) -> tuple[str, str]:
+        """``(status, why)``: ``baked``, ``skipped`` or ``failed``."""
+        entry = store.load(key)
+        if entry is None or entry.kind != "kcache" or entry.meta.source is None:
+            return "skipped", "gone or not bakeable"
+        if _baked_fresh(store, key, entry.meta):
+            return "skipped", "already baked"
+        devices = [next((d for i, d in self._devices if i == ident), None) for ident in entry.meta.devices]
+        if not devices or None in devices:
+            return "skipped", "its device is not here"
+        why = self._same_key(entry, devices)
+        if why is not None:
+            return "skipped", why
+        try:
+            binaries = self._build(entry, devices)
+        except _NotUsed as e:
+            return "skipped", str(e)
+        except Exception as e:  # noqa: BLE001 - a bad entry is one failure, not the bake's
+            return "failed", f"{type(e).__name__}: {e}"
+        return self._publish(store, entry, binaries)
+
+    def _same_key(self, entry: Entry, devices: Sequence[Any]) -> str | None:
+        """Why this process would not compute ``entry``'s key (a header changed, another
+        pyopencl or ``POCL_*`` setting), or ``None``."""
+        from .keys import key_of
+
+        source = entry.meta.source.encode("utf-8", "surrogateescape")  # type: ignore[union-attr]
+        if hashlib.sha256(source).hexdigest() != entry.meta.source_sha256:
+            return "its source does not match its checksum"
+        for path, digest in entry.meta.includes:
+            try:
+                with open(path, "rb") as f:
+                    now = hashlib.sha256(f.read()).hexdigest()
+            except OSError:
+                return "a header it includes is gone"
+            if now != digest:
+                return "a header it includes changed"
+        options = entry.meta.options.encode("utf-8", "surrogateescape")
+        if key_of(devices, options, entry.meta.source_sha256, entry.meta.includes, kind="kcache") != entry.key:
+            return "built here it would have another key (pyopencl version or POCL_* settings)"
+        return None
+
+    def _build(self, entry: Entry, devices: list[Any]) -> list[bytes]:
+        from . import _pyopencl
+        from .binaries import program_binaries
+        from .drivers.cachefiles import restore
+        from .drivers.poclcache import entry_folders, mark, moved, valid_file
+
+        for child in list(self.pocl_dir.iterdir()):  # a fresh kernel cache for each entry
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        files = list(entry.meta.files or ())
+        restore(self.pocl_dir, files, entry.binaries, valid_file)
+        folders = entry_folders(files)
+        marks = {f: mark(self.pocl_dir, f) for f in folders}
+        ids = tuple(d.int_ptr for d in devices)
+        ctx = self._contexts.get(ids)
+        if ctx is None:
+            ctx = self._contexts[ids] = self._cl.Context(devices)
+        prg = _pyopencl.source_program(ctx, entry.meta.source.encode("utf-8", "surrogateescape"))  # type: ignore[union-attr]
+        prg.build(entry.meta.options.encode("utf-8", "surrogateescape"), devices)
+        if not any(moved(self.pocl_dir, f, marks[f]) for f in folders):
+            raise _NotUsed("pocl here did not use its folder (another pocl, or other settings)")
+        return program_binaries(prg, devices)
+
+    def _publish(self, store: Store, entry: Entry, binaries: list[bytes]) -> tuple[str, str]:
+        m = entry.meta
+        meta = EntryMeta(
+            kind="binary", devices=m.devices, kernels=m.kernels, build_logs=m.build_logs, options=m.options,
+            source_sha256=m.source_sha256, includes=m.includes, created=time.time(),
+            compile_seconds=m.compile_seconds, snapshot="bake", strategy="bake",
+            asyncclcache=_version.__version__, baked_from=entry.key, baked_files=list(m.files or ()),
+        )
+        key = baked_key(entry.key)
+        claim = store.claim(key)
+        if claim is None:
+            return "skipped", "another process bakes it"
+        try:
+            store.publish(Entry(key, tuple(binaries), meta), claim=claim)
+        except OSError as e:
+            return "failed", f"could not write: {e.strerror or e}"
+        finally:
+            claim.release()
+        return "baked", ""
+
+
+class _NotUsed(Exception):
+    """The rebuild was not the entry's program (pocl did not use its folder)."""
+
+
+_worker: _Worker | None = None
+
+
+def _init_worker(priority: str) -> None:
+    """In a new worker process, before pyopencl loads pocl: a private kernel cache (pocl
+    reads ``POCL_CACHE_DIR`` once), the priority asked for, and Ctrl-C left to the parent."""
+    global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _lower(priority)
+    pocl_dir = Path(tempfile.mkdtemp(prefix="acc-bake-"))
+    os.environ["POCL_CACHE_DIR"] = str(pocl_dir)
+    os.environ["POCL_KERNEL_CACHE"] = "1"
+    import atexit
+
+    atexit.register(shutil.rmtree, pocl_dir, True)
+    _worker = _Worker(pocl_dir)
+
+
+def _lower(priority: str) -> None:
+    with contextlib.suppress(AttributeError, OSError):
+        if priority == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        elif priority == "nice":
+            os.nice(10)
+
+
+def _bake_one(where: tuple[str, bool, int | None], key: str) -> tuple[str, str, str]:
+    """``(key, status, why)`` of baking ``key`` of the store at ``where`` (in a worker)."""
+    assert _worker is not None
+    base, rank_local, rank = where
+    store = Store(base, rank_local=rank_local, rank=rank, create=False)
+    if not store.writable:
+        return key, "failed", f"cannot write {store.root}: {store.problem or 'read-only'}"
+    status, why = _worker.bake(store, key)
+    return key, status, why
+
+
+# }}}
+
+# {{{ the bake
+
+
+def bake(
+    stores: Sequence[Store], *, jobs: int = 1, device: str | None = None,
+    progress: Callable[[BakeResult, int], None] | None = None, priority: str = "nice",
+) -> BakeResult:
+    """Bake the ``kcache`` entries of ``stores`` that have none yet, in ``jobs`` worker
+    processes at a lower ``priority`` (``nice``, ``idle`` or ``normal``). ``progress(result,
+    total)`` is called after each entry. Ctrl-C stops the workers at once and raises
+    ``KeyboardInterrupt``; every entry stays whole (each is published atomically).
+    Process-safe: bakes and jobs on one directory share claims."""
+    t0 = time.monotonic()
+    result = BakeResult()
+    todo: list[tuple[tuple[str, bool, int | None], str]] = []
+    for s in stores:
+        keys, left = to_bake(s, device)
+        for why, n in left.items():
+            result.skipped[why] = result.skipped.get(why, 0) + n
+        todo += [((str(s.base), s.rank_local, s.rank), k) for k in keys]
+    total = len(todo) + result.done
+    if todo:
+        _run(todo, max(1, min(jobs, len(todo))), result, total, progress, priority)
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _run(
+    todo: list[tuple[tuple[str, bool, int | None], str]], jobs: int, result: BakeResult, total: int,
+    progress: Callable[[BakeResult, int], None] | None, priority: str,
+) -> None:
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(priority,))
+    try:
+        pending: set[Future[tuple[str, str, str]]] = {pool.submit(_bake_one, w, k) for w, k in todo}
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in finished:
+                try:
+                    _, status, why = f.result()
+                except Exception as e:  # noqa: BLE001 - a worker that died: one failure
+                    status, why = "failed", f"worker: {type(e).__name__}: {e}"
+                result.count(status, why)
+                if progress is not None:
+                    progress(result, total)
+    except BaseException:
+        result.interrupted = True
+        _kill(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill(pool: ProcessPoolExecutor) -> None:
+    # Workers mid-compile hold nothing we need: a publish is a rename, never half a file.
+    for p in list(getattr(pool, "_processes", {}).values()):
+        with contextlib.suppress(Exception):
+            p.kill()
+
+
+# }}}
+
+# {{{ during a run, on idle cores
+
+
+_IDLE_BOOT = """
+import os, sys
+os.environ.pop("ASYNCCLCACHE_INSTALL", None)
+from asyncclcache.bake import _idle_main
+sys.exit(_idle_main())
+"""
+
+
+class IdleBaker:
+    """Bakes entries this process writes, in one helper process at the lowest priority
+    (``SCHED_IDLE``: it runs only where a core is idle), never waited for: :meth:`close`
+    kills it, and what it has not baked stays ``kcache`` for a later bake. Started on the
+    first key. Thread-safe."""
+
+    def __init__(self, store: Store) -> None:
+        self._where = f"{store.base}\0{int(store.rank_local)}\0{'' if store.rank is None else store.rank}"
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self._closed = False
+        self.sent = 0
+
+    def add(self, key: str) -> None:
+        """Queue ``key`` (a ``kcache`` entry just written) for baking. Cheap: one pipe write."""
+        import subprocess
+
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                if self._proc is None:
+                    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCCLCACHE_")}
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-c", _IDLE_BOOT, self._where], stdin=subprocess.PIPE,
+                        stdout=subprocess.DEVNULL, env=env, start_new_session=True,
+                    )
+                self._proc.stdin.write(key.encode() + b"\n")
+                self._proc.stdin.flush()
+                self.sent += 1
+            except (OSError, ValueError) as e:
+                logger.info("asyncclcache: idle baking stopped: %s", e)
+                self._closed = True
+
+    def close(self) -> None:
+        """Kill the helper, whatever it is doing (its publishes are atomic). Idempotent."""
+        with self._lock:
+            self._closed = True
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                proc.wait(5)
+
+
+def _idle_main() -> int:
+    """The idle baker's loop: one key a line on stdin, until EOF or the parent goes."""
+    base, rank_local, rank = sys.argv[1].split("\0")
+    _init_worker("idle")
+    parent = os.getppid()
+    store = Store(base, rank_local=rank_local == "1", rank=int(rank) if rank else None, create=False)
+    for line in _lines(sys.stdin.buffer, parent):
+        key = line.decode(errors="replace").strip()
+        if len(key) == 64 and store.writable and _worker is not None:
+            try:
+                status, why = _worker.bake(store, key)
+            except Exception as e:  # noqa: BLE001 - the next key
+                status, why = "failed", str(e)
+            logger.debug("asyncclcache idle bake %s: %s %s", key[:12], status, why)
+    return 0
+
+
+def _lines(stream: Any, parent: int) -> Iterator[bytes]:
+    while os.getppid() == parent:
+        line = stream.readline()
+        if not line:
+            return
+        yield line
+
+
+# }}}

@@ -1,0 +1,210 @@
+"""``asyncclcache bake`` on real pocl: kernel-cache entries made into binaries, preferred at
+a hit while they hold every file of their entry; never partial, never twice.
+
+Every run is a child process with its own ``POCL_CACHE_DIR`` (a new node), as on a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncclcache.keys import baked_key
+from asyncclcache.store import Store
+from conftest import child_json, run_child
+
+# Builds programs twice<i> (distinct pocl folders), launches each with a local size, and
+# reports what the build and the launches added to its fresh pocl cache.
+RUN = r"""
+import json, os, pathlib, sys
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+from _pocl import pocl_context
+root = pathlib.Path(os.environ["POCL_CACHE_DIR"])
+files = lambda: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "tempfile" not in p.name)
+ctx = pocl_context()
+cache = acc.Cache(sys.argv[1], rank_local=False)
+n, local = int(sys.argv[2]), int(sys.argv[3])
+prgs = [acc.Program(ctx, small_source(f"twice{i}", salt="bake"), cache=cache).build() for i in range(n)]
+built = files()
+ok = all(run_twice(ctx, p, f"twice{i}", local_size=(local,)) for i, p in enumerate(prgs))
+launched = files()
+cache.flush(60)
+print(json.dumps({"ok": ok, "built": built, "launched": launched, "keys": [p.cache_key for p in prgs],
+                  **cache.stats().as_dict()}))
+"""
+
+
+def _run(cache_dir: Path, tmp: Path, n: int = 2, local: int = 64, env: dict[str, str] | None = None) -> dict:
+    return child_json(run_child(RUN, str(cache_dir), str(n), str(local), pocl_cache=tmp, env=env))
+
+
+def _bake(cache_dir: Path, *args: str, check: bool = True) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "asyncclcache", "bake", "--dir", str(cache_dir), "--json", *args],
+                          capture_output=True, text=True, timeout=600, check=False)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _baked(cache_dir: Path) -> dict[str, bytes]:
+    store = Store(cache_dir, rank_local=False, create=False)
+    out = {}
+    for e in store.entries():
+        entry = store.load(e.key)
+        assert entry is not None, f"{e.key} does not load"
+        if entry.meta.baked_from is not None:
+            out[entry.meta.baked_from] = b"".join(entry.binaries)
+    return out
+
+
+def test_a_baked_hit_launches_without_compiling(cache_dir: Path, tmp_path: Path) -> None:
+    cold = _run(cache_dir, tmp_path / "cold")
+    assert cold["ok"] and (cold["misses"], cold["writes"]) == (2, 2), cold
+    result = _bake(cache_dir, "--jobs", "1")
+    assert result["baked"] == 2 and not result["failed"], result
+    assert set(_baked(cache_dir)) == set(cold["keys"])
+    warm = _run(cache_dir, tmp_path / "warm")
+    assert warm["ok"] and (warm["hits"], warm["baked_hits"], warm["misses"]) == (2, 2, 0), warm
+    # The binaries unpacked everything at the build; the launches compiled nothing.
+    assert warm["built"] == warm["launched"], set(warm["launched"]) - set(warm["built"])
+    assert any("/64-1-1" in f for f in warm["built"])
+    # Nothing to refresh: the generic variant the binary unpacks is no gain.
+    assert (warm["writes"], warm["refreshes"], warm["bakes_dropped"]) == (0, 0, 0), warm
+
+
+def test_a_bake_that_lacks_a_variant_of_its_entry_is_not_served(cache_dir: Path, tmp_path: Path) -> None:
+    _run(cache_dir, tmp_path / "cold", n=1, local=64)
+    assert _bake(cache_dir)["baked"] == 1
+    # Another local size: the baked hit launches a new variant, and the entry gains it.
+    grown = _run(cache_dir, tmp_path / "grown", n=1, local=32)
+    assert (grown["baked_hits"], grown["refreshes"]) == (1, 1), grown
+    # The bake lacks the new variant: the folder serves, with both, and nothing compiles.
+    after = _run(cache_dir, tmp_path / "after", n=1, local=32)
+    assert (after["hits"], after["baked_hits"], after["bakes_dropped"]) == (1, 0, 1), after
+    assert after["built"] == after["launched"], set(after["launched"]) - set(after["built"])
+    assert _baked(cache_dir) == {}  # dropped, for a later bake
+    assert _bake(cache_dir)["baked"] == 1
+    rebaked = _run(cache_dir, tmp_path / "rebaked", n=1, local=32)
+    assert (rebaked["baked_hits"], rebaked["bakes_dropped"]) == (1, 0), rebaked
+    assert rebaked["built"] == rebaked["launched"]
+
+
+def test_bake_twice_is_a_no_op(cache_dir: Path, tmp_path: Path) -> None:
+    _run(cache_dir, tmp_path / "cold")
+    assert _bake(cache_dir)["baked"] == 2
+    store = Store(cache_dir, rank_local=False, create=False)
+    stamps = {k: store.stamp(k) for k in (e.key for e in store.entries())}
+    again = _bake(cache_dir)
+    assert again["baked"] == 0 and again["skipped"] == {"already baked": 2}, again
+    assert {k: store.stamp(k) for k in (e.key for e in store.entries())} == stamps
+
+
+def test_jobs_2_gives_the_same_entries_as_jobs_1(cache_dir: Path, tmp_path: Path) -> None:
+    _run(cache_dir, tmp_path / "cold", n=3)
+    other = tmp_path / "copy"
+    shutil.copytree(cache_dir, other)
+    assert _bake(cache_dir, "--jobs", "1")["baked"] == 3
+    assert _bake(other, "--jobs", "2")["baked"] == 3
+    assert _baked(cache_dir) == _baked(other)
+
+
+def test_a_killed_bake_leaves_no_partial_entry(cache_dir: Path, tmp_path: Path) -> None:
+    _run(cache_dir, tmp_path / "cold", n=4)
+    proc = subprocess.Popen([sys.executable, "-m", "asyncclcache", "bake", "--dir", str(cache_dir), "--jobs", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    store = Store(cache_dir, rank_local=False, create=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(store.read_meta(e.path) and store.read_meta(e.path).baked_from for e in store.entries()):
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the bake and its workers, wherever they are
+    proc.wait()
+    verify = subprocess.run([sys.executable, "-m", "asyncclcache", "verify", "--dir", str(cache_dir)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    baked = _baked(cache_dir)  # each loads whole, or is not there
+    assert 1 <= len(baked) <= 4
+    rest = _bake(cache_dir)
+    assert rest["baked"] == 4 - len(baked) and rest["skipped"].get("already baked") == len(baked), rest
+
+
+def test_entries_a_bake_here_would_key_otherwise_are_left(cache_dir: Path, tmp_path: Path) -> None:
+    # Built with a code setting of pocl's: this bake's environment would key it otherwise.
+    _run(cache_dir, tmp_path / "cold", n=1, env={"POCL_WORK_GROUP_SPECIALIZATION": "1"})
+    result = _bake(cache_dir)
+    assert result["baked"] == 0 and not result["failed"], result
+    assert list(result["skipped"]) == ["built here it would have another key (pyopencl version or POCL_* settings)"]
+    env = dict(os.environ, POCL_WORK_GROUP_SPECIALIZATION="1")
+    proc = subprocess.run([sys.executable, "-m", "asyncclcache", "bake", "--dir", str(cache_dir), "--json"],
+                          capture_output=True, text=True, timeout=600, check=True, env=env)
+    assert json.loads(proc.stdout)["baked"] == 1
+
+
+def test_idle_baking_bakes_what_the_run_wrote_and_is_never_waited_for(cache_dir: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    cold = _run(cache_dir, tmp_path / "cold", n=2, env={"ASYNCCLCACHE_BAKE": "idle"})
+    assert cold["writes"] == 2
+    # The run did not wait for its baker; the baker went with it (killed at close) or is
+    # done. Whatever it baked is whole and usable.
+    store = Store(cache_dir, rank_local=False, create=False)
+    baked = {m.baked_from for m in (store.read_meta(e.path) for e in store.entries()) if m and m.baked_from}
+    assert baked <= set(cold["keys"])
+    assert time.monotonic() - started < 120
+    result = _bake(cache_dir)
+    assert result["baked"] == 2 - len(baked)
+
+
+def test_info_list_and_export_show_what_is_baked(cache_dir: Path, tmp_path: Path) -> None:
+    import tarfile
+
+    _run(cache_dir, tmp_path / "cold", n=2)
+    archive = tmp_path / "a.tar"
+    out = subprocess.run([sys.executable, "-m", "asyncclcache", "export", "--dir", str(cache_dir), "--bake",
+                          str(archive)], capture_output=True, text=True, timeout=600, check=True)
+    assert "exported 4 entries" in out.stdout, out.stdout
+    with tarfile.open(archive) as tar:
+        names = {Path(n).name.split(".")[0] for n in tar.getnames()}
+    assert all(baked_key(k) in names for k in _baked(cache_dir))
+    info = subprocess.run([sys.executable, "-m", "asyncclcache", "info", "--dir", str(cache_dir), "--json"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    data = json.loads(info.stdout)
+    assert (data["baked"], data["kcache_entries"]) == (2, 2)
+    rows = json.loads(subprocess.run([sys.executable, "-m", "asyncclcache", "list", "--dir", str(cache_dir),
+                                      "--json"], capture_output=True, text=True, timeout=120,
+                                     check=True).stdout)["entries"]
+    assert sorted(r["kind"] for r in rows) == ["baked", "baked", "kcache", "kcache"]
+
+
+@pytest.mark.parametrize("what", ["no source", "device"])
+def test_what_cannot_be_baked_here_is_said(cache_dir: Path, tmp_path: Path, what: str) -> None:
+    import dataclasses
+
+    from asyncclcache.entry import Entry
+
+    _run(cache_dir, tmp_path / "cold", n=1)
+    store = Store(cache_dir, rank_local=False, create=False)
+    [e] = list(store.entries())
+    entry = store.load(e.key)
+    assert entry is not None and entry.meta.source is not None
+    if what == "no source":  # an entry of an earlier release
+        meta = dataclasses.replace(entry.meta, source=None)
+        expected = "no source (written by an earlier release)"
+    else:
+        meta = dataclasses.replace(entry.meta, devices=[dict(entry.meta.devices[0], device_name="elsewhere")])
+        expected = "its device is not here"
+    claim = store.claim(e.key)
+    assert claim is not None
+    store.publish(Entry(e.key, entry.binaries, meta), claim=claim)
+    claim.release()
+    result = _bake(cache_dir)
+    assert result["baked"] == 0 and result["skipped"] == {expected: 1}, result
