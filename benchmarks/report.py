@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 #: Column order everywhere.
-VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-process", "acc-sync",
-            "acc-thread", "acc-shared"]
+VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-idle",
+            "acc-process", "acc-sync", "acc-thread", "acc-shared"]
 #: Column heads; ``acc`` is renamed after the strategy auto picked on the machine (render()).
 HEAD = {
     "nocache": "no cache",
@@ -24,6 +24,8 @@ HEAD = {
     "pyopencl": "pyopencl cache",
     "pyopencl-spec0": "pyopencl cache, WG spec. off",
     "acc": "acc (auto)",
+    "acc-baked": "acc baked",
+    "acc-idle": "acc idle baking",
     "acc-process": "acc process",
     "acc-sync": "acc sync",
     "acc-thread": "acc thread",
@@ -41,6 +43,10 @@ LEGEND = {
     "F17), at the price of unspecialized kernels (see the steps 2..N row)",
     "acc": "asyncclcache, strategy `auto` (on pocl with its kernel cache on: `kcache`, the "
     "program's kernel-cache folder is the entry; nothing is compiled for the cache)",
+    "acc-baked": "asyncclcache `auto`, its directory baked (`asyncclcache bake`) between the cold "
+    "and the warm run: a warm hit loads pocl's binary",
+    "acc-idle": "asyncclcache `auto` with `ASYNCCLCACHE_BAKE=idle`: a helper at the lowest priority "
+    "bakes the entries written, where a core is idle, and is never waited for",
     "acc-process": "asyncclcache, strategy `process` (helper process: generic compile + "
     "BINARIES query)",
     "acc-sync": "asyncclcache, strategy `sync` (binary query inline in `build()`)",
@@ -51,7 +57,8 @@ SAME_NODE = "†"
 PLOTS = ("first_result", "cold_warm", "ranks")
 #: One colour per variant in every plot.
 COLOR = {"nocache": "C7", "default": "C5", "pyopencl": "C3", "pyopencl-spec0": "C6", "acc": "C0",
-         "acc-process": "C4", "acc-sync": "C9", "acc-thread": "C1", "acc-shared": "C2"}
+         "acc-process": "C4", "acc-sync": "C9", "acc-thread": "C1", "acc-shared": "C2", "acc-baked": "C8",
+         "acc-idle": "tab:olive"}
 
 
 # {{{ numbers
@@ -179,6 +186,14 @@ def first_result_table(R: dict[str, Any], variants: list[str], summary: dict[str
               f"{num(cr, 3)} ({met(cr, 1.05)})")
         t.add(f"{label}: **warm**, new node [s]", warm,
               f"{num(wr, 3)} of cold ({met(wr, 0.05)})")
+        if "acc-baked" in warm:
+            br = ratio(warm["acc-baked"].value, base)
+            summary[f"{wl}_warm_baked_ratio"] = br
+            t.add(f"{label}: **warm**, new node, baked [s]", {"acc-baked": warm["acc-baked"]},
+                  f"{num(br, 3)} of cold ({met(br, 0.01)})", best=False)
+            bakes = [b for b in res["acc-baked"].get("bake_s", []) if b is not None]
+            t.add(f"{label}: the bake between (`asyncclcache bake`) [s]",
+                  {"acc-baked": Cell(median(bakes), num(median(bakes), 2))}, best=False)
         cpu = {v: cell(res[v]["cold"], lambda r: r["group_cpu_s"], 1) for v in res}
         cpur = ratio(cpu.get("acc", Cell(None)).value, cpu.get("nocache", Cell(None)).value)
         summary[f"{wl}_cold_cpu_ratio"] = cpur
@@ -278,6 +293,18 @@ def throughput_tables(R: dict[str, Any], variants: list[str], summary: dict[str,
         t.add(f"{what}: entries written by exit",
               {v: Cell(None, cell(tp[v], lambda r: r["entries"], 0).text + f" / {progs}")
                for v in tp if v not in ("nocache", "default")}, best=False)
+        if "acc-idle" in tp:
+            iw = ratio(wall["acc-idle"].value, wall.get("nocache", Cell(None)).value)
+            ic = ratio(cpu["acc-idle"].value, cpu.get("nocache", Cell(None)).value)
+            summary[f"{k}_idle_wall_ratio"], summary[f"{k}_idle_cpu_ratio"] = iw, ic
+            t.add(f"{what}: idle baking on, wall / CPU vs no cache", {"acc-idle": wall["acc-idle"]},
+                  f"{num(iw, 3)} / {num(ic, 3)} (≤ 1.02 / 1.05: {met(iw, 1.02)} / {met(ic, 1.05)})",
+                  best=False)
+            t.add(f"{what}: entries baked by exit",
+                  {"acc-idle": Cell(None, cell(tp["acc-idle"], lambda r: r.get("baked"), 0).text
+                                    + f" / {progs}")}, best=False)
+            t.add(f"{what}: exit (end of work to process exit) [s]",
+                  {v: cell(tp[v], lambda r: r["exit_s"], 2) for v in tp}, best=False)
     return t
 
 

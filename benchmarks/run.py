@@ -42,9 +42,9 @@ sys.path.insert(0, str(HERE))
 import report  # noqa: E402
 
 #: Single-process variants (report.VARIANTS has them all).
-VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-process", "acc-sync",
+VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-process", "acc-sync",
             "acc-thread"]
-QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-process"]
+QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-process"]
 RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-process", "acc-shared"]
 SECTIONS = ["seed", "multi", "stall", "throughput", "ranks"]
 
@@ -134,6 +134,8 @@ class Runner:
             env["PYOPENCL_NO_CACHE"] = "1"
         if variant == "pyopencl-spec0":
             env["POCL_WORK_GROUP_SPECIALIZATION"] = "0"
+        if variant == "acc-idle":
+            env["ASYNCCLCACHE_BAKE"] = "idle"
         src = str(REPO / "src")
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
@@ -317,7 +319,7 @@ def measure_first_result(
 ) -> dict[str, Any]:
     """Cold (fresh pocl cache, empty cache dir) then warm (fresh pocl cache, the cold
     run's cache dir) time to the first correct result, per variant and repetition."""
-    res: dict[str, Any] = {v: {"cold": [], "warm": []} for v in variants}
+    res: dict[str, Any] = {v: {"cold": [], "warm": [], "bake_s": []} for v in variants}
     for rep in range(reps):
         # Rotate the order so drifting background load does not favour one variant.
         order = variants[rep % len(variants):] + variants[: rep % len(variants)]
@@ -337,6 +339,10 @@ def measure_first_result(
             if v.startswith("acc") and "flush_s" in cold:
                 msg += (f" (then flush {cold['flush_s']:.2f} s, close {cold['close_s']:.2f} s,"
                         f" {cold.get('entries')} entries)")
+            if v == "acc-baked" and "error" not in cold:
+                baked = bake(runner, spec["acc_dir"])
+                res[v]["bake_s"].append(baked)
+                msg += f"; bake {_s(baked)}"
             if v != "nocache" and "error" not in cold:
                 # The driver's own cache can only help on the same node; all else: a new one.
                 warm_node = node if v == "default" else None
@@ -415,9 +421,11 @@ def measure_throughput(
             t0 = time.perf_counter()
             rs = runner.run(specs, timeout=1200)
             wall = time.perf_counter() - t0
-            entries = None
+            entries = baked = None
             if v.startswith("acc"):
                 entries = sum((r.get("final") or {}).get("entries") or 0 for r in rs)
+            if v == "acc-idle":
+                baked = sum(baked_entries(s["acc_dir"]) for s in specs)
             elif v.startswith("pyopencl"):
                 entries = programs
             one = {
@@ -433,6 +441,7 @@ def measure_throughput(
                 "group_wall_s": wall,
                 "cpu_s": rs[0]["group_cpu_s"],
                 "entries": entries,
+                "baked": baked,
                 "programs": programs,
                 "ranks": ranks,
                 "children": rs,
@@ -441,8 +450,29 @@ def measure_throughput(
             res[v].append(one)
             work = max((r.get("work_s") or 0) for r in rs)
             log(f"throughput {ranks}x{per} rep {rep + 1}/{reps} {v:10s} wall {_s(one['wall_s'])} "
-                f"(work {_s(work)}), cpu {_s(one['cpu_s'])}, entries {entries}")
+                f"(work {_s(work)}), cpu {_s(one['cpu_s'])}, entries {entries}"
+                + (f", baked {baked}" if baked is not None else ""))
     return res
+
+
+def bake(runner: Runner, acc_dir: str) -> float | None:
+    """``asyncclcache bake`` of ``acc_dir``, as a user runs it after a job: its seconds."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([runner.python, "-m", "asyncclcache", "bake", "--dir", acc_dir], env=runner.env(None),
+                          capture_output=True, text=True, timeout=1800, check=False)
+    if proc.returncode != 0:
+        log(f"bake of {acc_dir} failed: {proc.stderr.strip()[-300:]}")
+        return None
+    return time.perf_counter() - t0
+
+
+def baked_entries(acc_dir: str) -> int:
+    """How many baked binaries ``acc_dir`` holds (every rank's)."""
+    from asyncclcache.store import Store, ranks
+
+    stores = [Store(acc_dir, rank_local=False, create=False)]
+    stores += [Store(acc_dir, rank_local=True, rank=r, create=False) for r in ranks(Path(acc_dir))]
+    return sum(1 for s in stores for e in s.entries() if (m := s.read_meta(e.path)) and m.baked_from)
 
 
 def _own_cpu(stats: dict[str, Any] | None) -> float:
@@ -630,15 +660,15 @@ def main(argv: list[str] | None = None) -> int:
             save("stall", measure_stall(runner, cases, min(reps, 2), seed_args))
         if "throughput" in sections:
             log.section("throughput")
-            v = use(["nocache", "pyopencl", "acc", "acc-process"] if full
-                    else ["nocache", "acc", "acc-process"])
+            v = use(["nocache", "pyopencl", "acc", "acc-idle", "acc-process"] if full
+                    else ["nocache", "acc", "acc-idle", "acc-process"])
             progs = 200 if full else 100
             tp_reps = min(reps, 2)
             save("throughput_1",
                  measure_throughput(runner, v, progs, 1, tp_reps, {"pyopencl": 1}))
-            if full:
-                save("throughput_2",
-                     measure_throughput(runner, use(["nocache", "acc", "acc-process"]), progs, 2, tp_reps))
+            # As many processes as cores: no core is idle, so idle baking must cost nothing.
+            at_once = ["nocache", "acc", "acc-idle"] + (["acc-process"] if full else [])
+            save("throughput_2", measure_throughput(runner, use(at_once), progs, 2, tp_reps))
         if "ranks" in sections:
             log.section("ranks")
             if ranks is None:
