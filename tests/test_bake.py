@@ -150,18 +150,56 @@ def test_entries_a_bake_here_would_key_otherwise_are_left(cache_dir: Path, tmp_p
     assert json.loads(proc.stdout)["baked"] == 1
 
 
-def test_idle_baking_bakes_what_the_run_wrote_and_is_never_waited_for(cache_dir: Path, tmp_path: Path) -> None:
+IDLE = r"""
+import json, os, sys, time
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+from _pocl import pocl_context
+from asyncclcache.store import Store
+ctx = pocl_context()
+cache = acc.Cache(sys.argv[1], rank_local=False)
+n, wait = int(sys.argv[2]), sys.argv[3] == "wait"
+for i in range(n):
+    assert run_twice(ctx, acc.Program(ctx, small_source(f"twice{i}", salt="bake"), cache=cache).build(), f"twice{i}")
+cache.flush(60)
+store = Store(sys.argv[1], rank_local=False, create=False)
+baked = lambda: sum(1 for e in store.entries() if (m := store.read_meta(e.path)) and m.baked_from)
+deadline = time.monotonic() + 90
+while wait and baked() < n and time.monotonic() < deadline:
+    time.sleep(0.05)  # a core is idle: the baker's
+proc = cache._baker._proc  # the helper, to see that close() leaves none behind
+t = time.perf_counter(); cache.close(); close_s = time.perf_counter() - t
+gone = proc is None or proc.poll() is not None
+print(json.dumps({"baked": baked(), "close_s": close_s, "gone": gone, "sent": cache._baker.sent}))
+"""
+
+
+def test_idle_baking_bakes_what_the_run_wrote(cache_dir: Path, tmp_path: Path) -> None:
+    out = child_json(run_child(IDLE, str(cache_dir), "3", "wait", pocl_cache=tmp_path / "p",
+                               env={"ASYNCCLCACHE_BAKE": "idle"}))
+    assert (out["sent"], out["baked"]) == (3, 3) and out["gone"], out
+    warm = _run(cache_dir, tmp_path / "warm", n=3)  # the same programs, on a new node
+    assert (warm["hits"], warm["baked_hits"]) == (3, 3), warm
+    # Its launches used another local size: the entries gained those variants, the bakes
+    # lack them, so a bake makes them again.
+    assert warm["refreshes"] == 3 and _bake(cache_dir)["baked"] == 3
+
+
+def test_idle_baking_is_never_waited_for(cache_dir: Path, tmp_path: Path) -> None:
     started = time.monotonic()
-    cold = _run(cache_dir, tmp_path / "cold", n=2, env={"ASYNCCLCACHE_BAKE": "idle"})
-    assert cold["writes"] == 2
-    # The run did not wait for its baker; the baker went with it (killed at close) or is
-    # done. Whatever it baked is whole and usable.
-    store = Store(cache_dir, rank_local=False, create=False)
-    baked = {m.baked_from for m in (store.read_meta(e.path) for e in store.entries()) if m and m.baked_from}
-    assert baked <= set(cold["keys"])
+    out = child_json(run_child(IDLE, str(cache_dir), "3", "now", pocl_cache=tmp_path / "p",
+                               env={"ASYNCCLCACHE_BAKE": "idle"}))
+    # close() killed the helper wherever it was; what it baked is whole, the rest stays kcache.
+    assert out["sent"] == 3 and out["gone"] and out["close_s"] < 2.0, out
     assert time.monotonic() - started < 120
-    result = _bake(cache_dir)
-    assert result["baked"] == 2 - len(baked)
+    assert 0 <= out["baked"] <= 3
+    assert _baked(cache_dir).keys() <= {e for e in _kcache_keys(cache_dir)}
+    assert _bake(cache_dir)["baked"] == 3 - out["baked"]
+
+
+def _kcache_keys(cache_dir: Path) -> set[str]:
+    store = Store(cache_dir, rank_local=False, create=False)
+    return {e.key for e in store.entries() if (m := store.read_meta(e.path)) and m.kind == "kcache"}
 
 
 def test_info_list_and_export_show_what_is_baked(cache_dir: Path, tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
     R = json.loads((out / "report.json").read_text())
     assert R["machine"]["auto_strategy"] == "kcache"  # pocl's CPU device, kernel cache on
     seed = R["first_result_seed"]
-    assert set(seed) == {"nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-process"}
+    assert set(seed) == {"nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-process"}
     for v, runs in seed.items():
         assert len(runs["cold"]) == 1
         for run in runs["cold"] + runs["warm"]:
@@ -63,6 +63,10 @@ def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
     proc_cold = seed["acc-process"]["cold"][0]
     assert proc_cold["strategies_used"] == ["process"] and proc_cold["stats_final"]["warmups"] == 1
     assert seed["acc-process"]["warm"][0]["stats_timed"]["hits"] == 1
+    # acc baked: baked between the runs; its warm hit loads the baked binary.
+    assert seed["acc-baked"]["bake_s"][0] > 0
+    baked_warm = seed["acc-baked"]["warm"][0]["stats_timed"]
+    assert (baked_warm["hits"], baked_warm["baked_hits"], baked_warm["misses"]) == (1, 1, 0)
 
 
 @pytest.mark.slow

@@ -139,7 +139,7 @@ def test_list_filters_and_json(cache_dir: Path) -> None:
     rows = _json(cli("list", "--dir", str(cache_dir), "--json"))["entries"]
     assert sorted(r["devices"][0] for r in rows) == ["NVIDIA H200", "pthread-cpu"]
     assert set(rows[0]) == {"key", "kind", "kernels", "devices", "size", "created", "last_used", "rank", "path",
-                            "damaged"}
+                            "damaged", "baked_from"}
     assert not any(r["damaged"] for r in rows)
     assert {r["kind"] for r in rows} == {"binary"}
     only = _json(cli("list", "--dir", str(cache_dir), "--json", "--device", "pthread"))["entries"]

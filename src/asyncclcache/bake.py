@@ -351,7 +351,7 @@ class IdleBaker:
     first key. Thread-safe."""
 
     def __init__(self, store: Store) -> None:
-        self._where = f"{store.base}\0{int(store.rank_local)}\0{'' if store.rank is None else store.rank}"
+        self._where = [str(store.base), str(int(store.rank_local)), "" if store.rank is None else str(store.rank)]
         self._lock = threading.Lock()
         self._proc: Any = None
         self._closed = False
@@ -368,7 +368,7 @@ class IdleBaker:
                 if self._proc is None:
                     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCCLCACHE_")}
                     self._proc = subprocess.Popen(
-                        [sys.executable, "-c", _IDLE_BOOT, self._where], stdin=subprocess.PIPE,
+                        [sys.executable, "-c", _IDLE_BOOT, *self._where], stdin=subprocess.PIPE,
                         stdout=subprocess.DEVNULL, env=env, start_new_session=True,
                     )
                 self._proc.stdin.write(key.encode() + b"\n")
@@ -392,7 +392,7 @@ class IdleBaker:
 
 def _idle_main() -> int:
     """The idle baker's loop: one key a line on stdin, until EOF or the parent goes."""
-    base, rank_local, rank = sys.argv[1].split("\0")
+    base, rank_local, rank = sys.argv[1:4]
     _init_worker("idle")
     parent = os.getppid()
     store = Store(base, rank_local=rank_local == "1", rank=int(rank) if rank else None, create=False)
