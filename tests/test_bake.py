@@ -117,7 +117,8 @@ def test_jobs_2_gives_the_same_entries_as_jobs_1(cache_dir: Path, tmp_path: Path
     assert _baked(cache_dir) == _baked(other)
 
 
-def test_a_killed_bake_leaves_no_partial_entry(cache_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill", "ctrl-c"])
+def test_a_killed_bake_leaves_no_partial_entry(cache_dir: Path, tmp_path: Path, sig: int) -> None:
     _run(cache_dir, tmp_path / "cold", n=4)
     proc = subprocess.Popen([sys.executable, "-m", "asyncclcache", "bake", "--dir", str(cache_dir), "--jobs", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -127,8 +128,11 @@ def test_a_killed_bake_leaves_no_partial_entry(cache_dir: Path, tmp_path: Path) 
         if any(store.read_meta(e.path) and store.read_meta(e.path).baked_from for e in store.entries()):
             break
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)  # the bake and its workers, wherever they are
-    proc.wait()
+    os.killpg(proc.pid, sig)  # the bake and its workers, wherever they are (a terminal's Ctrl-C)
+    _, err = proc.communicate(timeout=60)
+    if sig == signal.SIGINT and proc.returncode != 0:  # not already done: stopped at once, and said so
+        assert proc.returncode == 130 and b"interrupted; every entry is whole" in err, (proc.returncode, err)
+        assert b"Traceback" not in err, err
     verify = subprocess.run([sys.executable, "-m", "asyncclcache", "verify", "--dir", str(cache_dir)],
                             capture_output=True, text=True, timeout=120, check=False)
     assert verify.returncode == 0, verify.stdout + verify.stderr

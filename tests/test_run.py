@@ -295,7 +295,9 @@ buf = cl.Buffer(ctx, cl.mem_flags.COPY_HOST_PTR, hostbuf=a)
 prg.k(q, a.shape, None, buf)
 cl.enqueue_copy(q, a, buf)
 assert (a == rank).all()
-print("rank", rank, "argv", sys.argv[1:], "installed", cl.Program.build.__module__ == "asyncclcache.program")
+# One write per line: the ranks share mpiexec's stdout, and print() writes word by word.
+sys.stdout.write(f"rank {rank} argv {sys.argv[1:]} installed {cl.Program.build.__module__ == 'asyncclcache.program'}\n")
+sys.stdout.flush()
 """
 
 

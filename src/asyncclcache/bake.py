@@ -26,24 +26,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _version
 from .entry import Entry, EntryMeta
 from .keys import baked_key
 from .store import Store
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ProcessPoolExecutor
 
 __all__ = ["BakeResult", "IdleBaker", "bake", "to_bake"]
 
@@ -97,8 +97,8 @@ def to_bake(store: Store, device: str | None = None) -> tuple[list[str], dict[st
 
     for e in sorted(store.entries(), key=lambda e: e.key):
         meta = store.read_meta(e.path)
-        if meta is None or meta.kind != "kcache" or meta.baked_from is not None:
-            continue  # damaged (verify says), or not pocl's folder
+        if meta is None or meta.kind != "kcache" or meta.strategy.startswith("kcache-"):
+            continue  # damaged (verify says), or not pocl's folder (NVIDIA's, Mesa's items)
         if meta.source is None:
             leave("no source (written by an earlier release)")
         elif not meta.devices or not all(d in here for d in meta.devices):
@@ -192,7 +192,10 @@ class _Worker:
         from .drivers.poclcache import entry_folders, mark, moved, valid_file
 
         for child in list(self.pocl_dir.iterdir()):  # a fresh kernel cache for each entry
-            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
         files = list(entry.meta.files or ())
         restore(self.pocl_dir, files, entry.binaries, valid_file)
         folders = entry_folders(files)
@@ -238,6 +241,8 @@ _worker: _Worker | None = None
 def _init_worker(priority: str) -> None:
     """In a new worker process, before pyopencl loads pocl: a private kernel cache (pocl
     reads ``POCL_CACHE_DIR`` once), the priority asked for, and Ctrl-C left to the parent."""
+    import tempfile
+
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _lower(priority)
@@ -302,6 +307,9 @@ def _run(
     todo: list[tuple[tuple[str, bool, int | None], str]], jobs: int, result: BakeResult, total: int,
     progress: Callable[[BakeResult, int], None] | None, priority: str,
 ) -> None:
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_init_worker, initargs=(priority,))
     try:
@@ -369,7 +377,8 @@ class IdleBaker:
                     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCCLCACHE_")}
                     self._proc = subprocess.Popen(
                         [sys.executable, "-c", _IDLE_BOOT, *self._where], stdin=subprocess.PIPE,
-                        stdout=subprocess.DEVNULL, env=env, start_new_session=True,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                        start_new_session=True,
                     )
                 self._proc.stdin.write(key.encode() + b"\n")
                 self._proc.stdin.flush()

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import summary
-from .bake import IdleBaker
 from .config import STRATEGIES, get_config, parse_size
 from .drivers import Build, Driver, Hit, HitOutcome, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
@@ -38,6 +37,7 @@ from .workers import Workers
 if TYPE_CHECKING:
     import pyopencl as cl
 
+    from .bake import IdleBaker
     from .keys import KeyInfo
 
 __all__ = ["Built", "Cache", "Stats", "Step", "close_all", "default_cache", "exit_interrupted", "step"]
@@ -210,7 +210,11 @@ class Cache:
         )
         #: Bakes the entries written here on idle cores (``ASYNCCLCACHE_BAKE=idle``); a forked
         #: child starts its own.
-        self._baker = IdleBaker(self.store) if self._bake_idle and self.store.writable else None
+        self._baker: IdleBaker | None = None
+        if self._bake_idle and self.store.writable:
+            from .bake import IdleBaker  # off the import path of a warm start
+
+            self._baker = IdleBaker(self.store)
         self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
                                   on_written=self._written)
 
