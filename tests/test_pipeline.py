@@ -236,3 +236,17 @@ def test_close_drops_what_is_on_its_way(store: Store, make) -> None:
     assert store.load(job.key) is None and not pipeline.holds_claim(job)
     pipeline.fetch(_job(driver, "d" * 64), Purpose.SNAPSHOT_NOW)  # after close: nothing
     assert pipeline.pending == 0 and driver.fetched == [Purpose.SNAPSHOT_NOW]
+
+
+def test_a_driver_that_raises_in_fetch_ends_the_job_as_a_failure(store: Store, make) -> None:
+    class Raising(Fake):
+        def fetch(self, job: Job, purpose: Purpose, done) -> None:
+            raise RuntimeError("driver bug")
+
+    pipeline, counters = make()
+    job = _job(Raising(Snapshot([b"x"])))
+    _run(pipeline, job)  # ends: nothing stays pending
+    s = counters.snapshot()
+    assert (s.errors, s.writes, s.pending) == (1, 0, 0)
+    assert not pipeline.holds_claim(job) and store.load(job.key) is None
+    assert [str(e) for e in pipeline.take_errors()] == ["driver bug"]

@@ -201,7 +201,10 @@ class Pipeline:
         if end is not None:
             self._end(job, end)
             return
-        job.driver.fetch(job, purpose, lambda snap, error: self._fetched(job, purpose, snap, error))
+        try:
+            job.driver.fetch(job, purpose, lambda snap, error: self._fetched(job, purpose, snap, error))
+        except BaseException as e:  # noqa: BLE001 - a driver that raises instead of reporting
+            self._end(job, _End.FAILED, e)
 
     def _claim(self, job: Job, purpose: Purpose) -> _End | None:
         """Take the key's claim for ``job`` (a writer thread); how the fetch ends if not."""
