@@ -426,6 +426,7 @@ def measure_throughput(
                 entries = sum((r.get("final") or {}).get("entries") or 0 for r in rs)
             if v == "acc-idle":
                 baked = sum(baked_entries(s["acc_dir"]) for s in specs)
+                entries = (entries or 0) - baked  # the kcache entries; the baked ones beside them
             elif v.startswith("pyopencl"):
                 entries = programs
             one = {
