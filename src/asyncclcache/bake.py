@@ -298,14 +298,15 @@ def bake(
         todo += [((str(s.base), s.rank_local, s.rank), k) for k in keys]
     total = len(todo) + result.done
     if todo:
-        _run(todo, max(1, min(jobs, len(todo))), result, total, progress, priority)
+        _run(todo, max(1, min(jobs, len(todo))), result, progress=lambda r: progress and progress(r, total),
+             priority=priority)
     result.seconds = time.monotonic() - t0
     return result
 
 
 def _run(
-    todo: list[tuple[tuple[str, bool, int | None], str]], jobs: int, result: BakeResult, total: int,
-    progress: Callable[[BakeResult, int], None] | None, priority: str,
+    todo: list[tuple[tuple[str, bool, int | None], str]], jobs: int, result: BakeResult, *,
+    progress: Callable[[BakeResult], object], priority: str,
 ) -> None:
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -322,8 +323,7 @@ def _run(
                 except Exception as e:  # noqa: BLE001 - a worker that died: one failure
                     status, why = "failed", f"worker: {type(e).__name__}: {e}"
                 result.count(status, why)
-                if progress is not None:
-                    progress(result, total)
+                progress(result)
     except BaseException:
         result.interrupted = True
         _kill(pool)

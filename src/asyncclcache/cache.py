@@ -396,7 +396,7 @@ class Cache:
         program = b.from_source()
         built_to = time.time()
         seconds = time.perf_counter() - t0
-        self._missed(b, program, looked_up_at, seconds, built_from, built_to)
+        self._missed(b, program, looked_up_at, seconds=seconds, built=(built_from, built_to))
         return Built(program, False, "source build (binary retrieved in the background)", seconds)
 
     def _from_entry(self, b: Build, entry: Entry, looked_up_at: float) -> Built | None:
@@ -428,7 +428,7 @@ class Cache:
             self._forget(b.info.key)  # kept on disk: the cause may be a setting
         # Built from source, the entry kept: a plain miss, whose entry replaces it where
         # the driver makes one.
-        self._missed(b, hit.program, looked_up_at, seconds, built_from, time.time())
+        self._missed(b, hit.program, looked_up_at, seconds=seconds, built=(built_from, time.time()))
         return Built(hit.program, False, "source build (stored entry could not be used here)", seconds)
 
     def _from_baked(self, b: Build, entry: Entry, driver: Driver) -> Built | None:
@@ -487,12 +487,12 @@ class Cache:
             self._pipeline.watch(job)
 
     def _missed(
-        self, b: Build, program: Any, looked_up_at: float, seconds: float, built_from: float, built_to: float,
+        self, b: Build, program: Any, looked_up_at: float, *, seconds: float, built: tuple[float, float],
     ) -> None:
         """``program`` was built from source: its entry is written later, in the background.
 
-        ``looked_up_at`` is ``time.time()`` before the lookup; ``built_from``/``built_to``
-        (``time.time()``) bracket the source build. A key that another process writes
+        ``looked_up_at`` is ``time.time()`` before the lookup; ``built`` (``time.time()``)
+        brackets the source build, which took ``seconds``. A key that another process writes
         after this one's lookup is skipped: the lookup saw another file, or none.
         """
         t0 = time.perf_counter()
@@ -505,8 +505,8 @@ class Cache:
         logs, kernels = b.describe(program)
         job = Job(
             b.info, b.source, b.devices, logs, driver, seen=seen,
-            kernels=tuple(kernels), created=looked_up_at, built_from=built_from,
-            built_to=built_to, build_seconds=seconds,
+            kernels=tuple(kernels), created=looked_up_at, built_from=built[0],
+            built_to=built[1], build_seconds=seconds,
             # What the key saw: another process rebuilding it (the helper) needs the same.
             cwd=Job.caller_cwd(), environ=Job.caller_environ(),
             program=program if driver.needs_program else None,  # kept alive until taken

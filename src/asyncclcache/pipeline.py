@@ -270,11 +270,13 @@ class Pipeline:
             return _End.SKIPPED
         if result is PublishResult.WRITTEN:
             # Which file this process wrote: a later claim of the key skips it (_claim).
-            self._written(job, purpose, snap, entry, digest, track.claim.written if track.claim else None)
+            stamp = track.claim.written if track.claim else None
+            self._written(job, purpose, snap, entry, digest=digest, stamp=stamp)
         return _End.DONE
 
     def _written(
-        self, job: Job, purpose: Purpose, snap: Snapshot, entry: Entry, digest: str, stamp: tuple[int, ...] | None,
+        self, job: Job, purpose: Purpose, snap: Snapshot, entry: Entry, *, digest: str,
+        stamp: tuple[int, ...] | None,
     ) -> None:
         self.counters.add("writes")
         self.counters.add("bytes_written", entry.nbytes)

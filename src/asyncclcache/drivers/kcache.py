@@ -367,7 +367,7 @@ class KcacheDriver(BackgroundDriver):
             # Only a folder that can be ours tells that our launches are done; an
             # ambiguous choice may narrow once the launches made their kernel folders.
             folders = choose(self.root, found.candidates, job.kernels, self.clock.until(job.built_to),
-                             self.clock.tick, folders_per_build(job))
+                             self.clock.tick, most=folders_per_build(job))
         else:
             folders = found.folders or ()
         return bool(folders) and ready(self.root, folders, job.kernels, self.clock.since(job.built_from))

@@ -166,7 +166,7 @@ def candidates(
 
 def choose(
     root: Path, found: Sequence[tuple[str, float]], kernels: Sequence[str], end: float,
-    tick: float, most: int = 1,
+    tick: float, *, most: int = 1,
 ) -> tuple[str, ...]:
     """The build's own folder(s) among its candidates ``found``; ``()`` when none, or more
     than ``most`` (one per kind of device) are left: then nothing is stored.
@@ -216,7 +216,7 @@ def find_folders(root: Path, job: Job) -> tuple[str, ...]:
     [found] = candidates(root, windows, new_only=True)
     if not found:
         [found] = candidates(root, windows)
-    return choose(root, found, job.kernels, clock.until(job.built_to), clock.tick, folders_per_build(job))
+    return choose(root, found, job.kernels, clock.until(job.built_to), clock.tick, most=folders_per_build(job))
 
 
 def build_candidates(root: Path, job: Job) -> list[str]:
