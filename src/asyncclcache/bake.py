@@ -434,8 +434,10 @@ class IdleBaker:
         if proc is not None:
             with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)  # stopped or not
+            # Reaped if it is gone at once; the teardown of a compiler's memory is not
+            # waited for at exit (init reaps it after this process).
             with contextlib.suppress(Exception):
-                proc.wait(5)
+                proc.wait(0.02)
 
 
 def _cpu_sample(pid: int) -> tuple[int, int, int] | None:
