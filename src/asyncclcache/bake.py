@@ -113,13 +113,10 @@ def to_bake(store: Store, device: str | None = None) -> tuple[list[str], dict[st
 
 
 def _baked_fresh(store: Store, key: str, meta: EntryMeta) -> bool:
-    from .drivers.poclcache import generic
+    from .drivers.poclcache import lacks
 
     baked = store.read_meta(store.path_for(baked_key(key)))
-    if baked is None or baked.baked_from != key:
-        return False
-    packed = set(baked.baked_files or ())
-    return all(f in packed for f in meta.files or () if not generic(f))
+    return baked is not None and baked.baked_from == key and not lacks(baked.baked_files or (), meta.files or ())
 
 
 # }}}
@@ -132,16 +129,10 @@ class _Worker:
     entry, and one context per set of devices. Not thread-safe (one per process)."""
 
     def __init__(self, pocl_dir: Path) -> None:
-        import pyopencl as cl
-
-        from .drivers import is_pocl_cpu
-        from .keys import device_identity
+        from .drivers.pocl_helper import Devices
 
         self.pocl_dir = pocl_dir
-        self._cl = cl
-        self._devices = [(device_identity(d), d) for p in cl.get_platforms() for d in p.get_devices()
-                         if is_pocl_cpu(d)]
-        self._contexts: dict[tuple[int, ...], Any] = {}
+        self._devices = Devices()
 
     def bake(self, store: Store, key: str) -> tuple[str, str]:
         """``(status, why)``: ``baked``, ``skipped`` or ``failed``."""
@@ -150,14 +141,15 @@ class _Worker:
             return "skipped", "gone or not bakeable"
         if _baked_fresh(store, key, entry.meta):
             return "skipped", "already baked"
-        devices = [next((d for i, d in self._devices if i == ident), None) for ident in entry.meta.devices]
-        if not devices or None in devices:
+        try:
+            ctx, devices = self._devices.find(entry.meta.devices)
+        except LookupError:
             return "skipped", "its device is not here"
         why = self._same_key(entry, devices)
         if why is not None:
             return "skipped", why
         try:
-            binaries = self._build(entry, devices)
+            binaries = self._build(entry, ctx, devices)
         except _NotUsed as e:
             return "skipped", str(e)
         except Exception as e:  # noqa: BLE001 - a bad entry is one failure, not the bake's
@@ -185,7 +177,7 @@ class _Worker:
             return "built here it would have another key (pyopencl version or POCL_* settings)"
         return None
 
-    def _build(self, entry: Entry, devices: list[Any]) -> list[bytes]:
+    def _build(self, entry: Entry, ctx: Any, devices: list[Any]) -> list[bytes]:
         from . import _pyopencl
         from .binaries import program_binaries
         from .drivers.cachefiles import restore
@@ -200,10 +192,6 @@ class _Worker:
         restore(self.pocl_dir, files, entry.binaries, valid_file)
         folders = entry_folders(files)
         marks = {f: mark(self.pocl_dir, f) for f in folders}
-        ids = tuple(d.int_ptr for d in devices)
-        ctx = self._contexts.get(ids)
-        if ctx is None:
-            ctx = self._contexts[ids] = self._cl.Context(devices)
         prg = _pyopencl.source_program(ctx, entry.meta.source.encode("utf-8", "surrogateescape"))  # type: ignore[union-attr]
         prg.build(entry.meta.options.encode("utf-8", "surrogateescape"), devices)
         if not any(moved(self.pocl_dir, f, marks[f]) for f in folders):

@@ -48,7 +48,7 @@ from .poclcache import (
     entry_folders,
     folder_files,
     folders_per_build,
-    generic,
+    lacks,
     listing,
     mark,
     moved,
@@ -150,7 +150,7 @@ class KcacheDriver(BackgroundDriver):
         for job in jobs:
             found = self._of(job)
             folders, written = found.folders, found.written
-            if folders and any(f not in written and not generic(f) for f in listing(self.root, folders)):
+            if folders and lacks(written, listing(self.root, folders)):
                 out.append(job)
         return out
 
@@ -158,8 +158,7 @@ class KcacheDriver(BackgroundDriver):
         import pyopencl as cl
 
         files = entry.meta.files or []
-        packed = set(baked.meta.baked_files or ())
-        if baked.meta.baked_from != entry.key or not all(f in packed for f in files if not generic(f)):
+        if baked.meta.baked_from != entry.key or lacks(baked.meta.baked_files or (), files):
             # The folder gained variants since the bake: the binary would compile them again.
             return Hit(HitOutcome.REFUSED, None, "baked before the entry gained variants")
         try:

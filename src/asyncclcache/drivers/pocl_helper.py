@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -45,7 +46,11 @@ def _watch_parent(parent: int) -> None:
             os._exit(0)
 
 
-class _Devices:
+class Devices:
+    """This process's OpenCL devices, found by identity (:func:`~asyncclcache.keys.device_identity`),
+    with one context per set of them (the helper, and ``asyncclcache bake``'s workers). Not
+    thread-safe: one per process."""
+
     def __init__(self) -> None:
         import pyopencl as cl
 
@@ -57,7 +62,8 @@ class _Devices:
         ]
         self._contexts: dict[tuple[int, ...], Any] = {}
 
-    def find(self, identities: list[dict[str, str]]) -> tuple[Any, list[Any]]:
+    def find(self, identities: Sequence[dict[str, str]]) -> tuple[Any, list[Any]]:
+        """``(context, devices)`` for ``identities``; ``LookupError`` where one is not here."""
         devices = []
         for ident in identities:
             match = [d for i, d in self._all if i == ident]
@@ -101,7 +107,7 @@ def main() -> int:
     from asyncclcache import _pyopencl
     from asyncclcache.binaries import program_binaries
 
-    devices = _Devices()
+    devices = Devices()
     _wire.send(out, {"op": "hello", "pid": os.getpid(), "priority": priority})
     while True:
         try:

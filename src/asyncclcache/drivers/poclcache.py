@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +45,7 @@ __all__ = [
     "folders_per_build",
     "generic",
     "kernel_cache_dir",
+    "lacks",
     "listing",
     "mark",
     "moved",
@@ -92,6 +93,13 @@ def generic(rel: str) -> bool:
     variant is there."""
     parts = rel.split("/")
     return len(parts) >= 5 and parts[3].startswith("0-0-0")
+
+
+def lacks(held: Iterable[str], files: Iterable[str]) -> bool:
+    """Some file of ``files`` that a launch needs is not in ``held`` (a generic variant is
+    never needed: :func:`generic`). A refresh, a baked binary's freshness and a bake ask it."""
+    have = set(held)
+    return any(f not in have and not generic(f) for f in files)
 
 
 def entry_folders(files: Sequence[str]) -> list[str]:
