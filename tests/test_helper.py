@@ -242,3 +242,50 @@ cache.drivers["process"]._stop_proc(30)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("asyncclcache: ")]
     assert len(lines) == 1, proc.stderr
     assert "1 misses, 1 writes" in lines[0], lines[0]
+
+
+# A child: in argv[2] (holding params.h), for each value of argv[3:] in turn, params.h says
+# that value, then the program is built and launched. With argv[1] "step", all of it inside
+# one ``with cache.step():`` (the helper rebuilds each from source at its exit). Prints the
+# values computed, the keys and the stats.
+HEADER_CHILD = r"""
+import contextlib, json, os, sys
+import numpy as np, pyopencl as cl, asyncclcache as acc
+from _pocl import pocl_context
+ctx = pocl_context(); q = cl.CommandQueue(ctx)
+mode, cache_dir, folder, values = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+os.chdir(folder)
+cache = acc.Cache(cache_dir, strategy="process")
+src = '#include "params.h"\n__kernel void f(__global float *c) { c[get_global_id(0)] = VAL; }\n'
+out = []
+with cache.step() if mode == "step" else contextlib.nullcontext():
+    for v in values:
+        with open("params.h", "w") as f:
+            f.write(f"#define VAL {v}\n")
+        prg = acc.Program(ctx, src, cache=cache).build()
+        c = np.zeros(4, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
+        prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
+        out.append({"value": float(c[0]), "key": prg.cache_key})
+flushed = cache.flush(120)
+s = cache.stats()
+print(json.dumps({"builds": out, "flushed": flushed, **s.as_dict()}))
+"""
+
+
+def test_a_header_changed_before_the_helpers_rebuild_is_not_stored_under_the_old_key(cache_dir, tmp_path):
+    # Issue 26, case 1: the helper compiles the source again at the step's exit, reading
+    # params.h as it is then (3); each key holds params.h as it was at its build.
+    folder = tmp_path / "job"
+    folder.mkdir()
+    env = {"POCL_KERNEL_CACHE": "0"}
+    cold = child_json(run_child(HEADER_CHILD, "step", str(cache_dir), str(folder), "1", "2", "3", env=env))
+    assert cold["flushed"] and cold["errors"] == 0, cold
+    assert [b["value"] for b in cold["builds"]] == [1.0, 2.0, 3.0]
+    assert len({b["key"] for b in cold["builds"]}) == 3
+    # The entries of 1 and 2 cannot be made any more: dropped, counted, not stored.
+    assert cold["writes"] <= 1 and cold["unidentified"] >= 2, cold
+    # A new node builds each again with its own header: the values of its headers, never 3, 3, 3.
+    warm = child_json(run_child(HEADER_CHILD, "plain", str(cache_dir), str(folder), "1", "2", "3", env=env))
+    assert [b["value"] for b in warm["builds"]] == [1.0, 2.0, 3.0], warm
+    assert [b["key"] for b in warm["builds"]] == [b["key"] for b in cold["builds"]]
+    assert warm["hits"] == cold["writes"], (cold, warm)

@@ -17,9 +17,11 @@ is replaced by a fresh one started with the job's.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import queue
+import stat
 import subprocess
 import sys
 import threading
@@ -28,9 +30,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from ..keys import pocl_code_settings
+from .. import fsclock
+from ..fileio import CLOEXEC, NONBLOCK
+from ..keys import IncludeDep, pocl_code_settings
 from . import _wire
-from .base import Done, Driver, Dropped, Job, PerJob, Purpose, Snapshot
+from .base import Done, Driver, Dropped, Job, Lost, PerJob, Purpose, Snapshot
 from .poclcache import (
     build_candidates,
     find_folders,
@@ -103,7 +107,7 @@ class HelperDriver(Driver):
     refreshable = True
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Job, Done] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Job, Purpose, Done] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -130,7 +134,7 @@ class HelperDriver(Driver):
                     target=self._run, name="asyncclcache-helper-client", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((job, done))
+        self._queue.put((job, purpose, done))
 
     # {{{ client thread
 
@@ -183,9 +187,9 @@ class HelperDriver(Driver):
             item = self._queue.get()
             if item is None:  # stop
                 break
-            job, done = item
+            job, purpose, done = item
             try:
-                binaries = self._request(job)
+                binaries = self._request(job, purpose)
             except BaseException as e:  # noqa: BLE001 - reported through done
                 done(None, e)
             else:
@@ -214,11 +218,15 @@ class HelperDriver(Driver):
         self._code = code
         return proc
 
-    def _request(self, job: Job) -> list[bytes]:
+    def _request(self, job: Job, purpose: Purpose) -> list[bytes]:
         if job.cwd is None:
             # Relative include folders resolve there: no other folder builds the same code.
             raise HelperError(f"the caller's working directory is unknown (gone?); "
                               f"{job.key[:12]} is not rebuilt elsewhere")
+        # The helper compiles the source again, reading the headers as they are then: what it
+        # makes is stored under the key only if each header holds the key's content all along
+        # (a warm-up stores nothing).
+        inputs = None if purpose is Purpose.WARMUP else _inputs_as_keyed(job)
         proc = self._helper_for(job)
         asked = self._of(job)
         root = kernel_cache_dir()
@@ -253,6 +261,8 @@ class HelperDriver(Driver):
         if not header.get("ok"):
             raise HelperError(f"helper could not build {job.key[:12]}: {header.get('error')}")
         self.requests += 1
+        if inputs is not None:
+            _still_as_keyed(job, inputs)
         if marks and root is not None:
             touched = tuple(f for f, before in marks.items() if moved(root, f, before))
             asked.folders = touched if 0 < len(touched) <= folders_per_build(job) else ()
@@ -328,7 +338,7 @@ class HelperDriver(Driver):
                 break
         for item in dropped:
             if item is not None:
-                item[1](None, Dropped("dropped at close"))
+                item[2](None, Dropped("dropped at close"))
         proc = self._proc
         if proc is not None and proc.poll() is None:
             # Mid-compile: the helper holds nothing we need; kill it.
@@ -340,3 +350,75 @@ class HelperDriver(Driver):
                 proc.wait(1.0)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+# {{{ the key's headers, around a rebuild in the helper
+
+#: A header changed this recently may change again within one tick of its file system's
+#: clock, leaving its stamp as it was: a request waits (once) at most this long for its
+#: headers' stamps to age past that.
+SETTLE_SECONDS = 5.0
+
+#: What tells one state of a file from another: (device, inode, size, mtime, ctime), in ns.
+_Stamp = tuple[int, int, int, int, int]
+
+
+def _read_as_keyed(dep: IncludeDep) -> _Stamp:
+    """The stamp of ``dep``'s file, read through (as the compiler opens it) and found to
+    hold the content the key names; raises :class:`Lost` if it does not."""
+    try:
+        # Non-blocking: a FIFO planted there must not hang the client thread.
+        fd = os.open(dep.path, os.O_RDONLY | NONBLOCK | CLOEXEC)
+    except OSError as e:
+        raise Lost(f"{dep.path}, an include of the key, cannot be read ({e.strerror}): not rebuilt") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Lost(f"{dep.path}, an include of the key, is no longer a regular file: not rebuilt")
+        h = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+    except OSError as e:
+        raise Lost(f"{dep.path}, an include of the key, cannot be read ({e.strerror}): not rebuilt") from None
+    finally:
+        os.close(fd)
+    if h.hexdigest() != dep.sha256:
+        raise Lost(f"{dep.path} changed since the build: the helper would compile another program "
+                   "than the key names; not stored")
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _inputs_as_keyed(job: Job) -> dict[str, _Stamp]:
+    """Before a rebuild: every include of ``job``'s key holds the key's content, with a
+    stamp older than any that a change from now on can carry in its file system's own
+    time base (:func:`~asyncclcache.fsclock.clock_for`): then an unchanged stamp after the
+    rebuild means an unchanged file. Waits (client thread, at most
+    :data:`SETTLE_SECONDS`, once) for a header written just now; raises :class:`Lost`
+    where a header differs, or may change unseen (its clock cannot be measured)."""
+    for attempt in range(2):
+        t0 = time.time()
+        stamps: dict[str, _Stamp] = {}
+        wait = -1.0
+        for dep in job.info.deps:
+            st = stamps[dep.path] = _read_as_keyed(dep)
+            clock = fsclock.clock_for(dep.path, st[0])
+            if clock is None:
+                raise Lost(f"{dep.path}: its file system's clock cannot be measured, so a change "
+                           "during the rebuild could go unseen; not stored")
+            # A change at or after t0 has a stamp of at least clock.since(t0).
+            wait = max(wait, max(st[3], st[4]) / 1e9 - clock.since(t0))
+        if wait < 0:
+            return stamps
+        if attempt == 0 and wait <= SETTLE_SECONDS:
+            time.sleep(wait + 0.01)
+    raise Lost(f"an include of {job.key[:12]} was changed too recently to tell a change during "
+               "the rebuild (its stamp is not older than the file system's clock allows); not stored")
+
+
+def _still_as_keyed(job: Job, before: dict[str, _Stamp]) -> None:
+    """After a rebuild: every include of ``job``'s key is the file :func:`_inputs_as_keyed`
+    read (same stamp) and holds the key's content; raises :class:`Lost` if not."""
+    for dep in job.info.deps:
+        if _read_as_keyed(dep) != before.get(dep.path):
+            raise Lost(f"{dep.path} changed during the helper's rebuild: not stored")
+
+# }}}
