@@ -136,3 +136,60 @@ def test_job_table_is_bounded(cl_ctx, cache_dir, monkeypatch, open_cache):
     kept = [k for k in keys if cache.job(k) is not None]
     assert kept == keys[-3:]  # the newest
     cache.close()
+
+
+# A child: builds small_source("twice", salt=argv[2]) through a cache in argv[1] and launches
+# it; prints its key and the stats.
+TWICE_CHILD = r"""
+import json, sys
+import asyncclcache as acc
+from _pocl import pocl_context
+from kernels import run_twice, small_source
+ctx = pocl_context()
+cache = acc.Cache(sys.argv[1])
+prg = acc.Program(ctx, small_source("twice", salt=sys.argv[2]), cache=cache).build()
+ok = run_twice(ctx, prg)
+cache.flush(120)
+print(json.dumps({"ok": ok, "key": prg.cache_key, **cache.stats().as_dict()}))
+"""
+
+
+def _cli(*args: str) -> str:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "asyncclcache", *args], capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_a_baked_hit_is_a_use_of_the_baked_binary(cache_dir, tmp_path):
+    # Issue 26, case 2: the size bound and prune evict by last use; a baked hit uses the baked
+    # binary. A read alone does not say so: relatime renews an atime once a day at most.
+    import json
+    import uuid
+
+    from asyncclcache.keys import baked_key
+    from conftest import child_json, run_child
+
+    salt = uuid.uuid4().hex
+    cold = child_json(run_child(TWICE_CHILD, str(cache_dir), salt))
+    assert cold["ok"] and cold["writes"] == 1, cold
+    assert json.loads(_cli("bake", "--dir", str(cache_dir), "--json"))["baked"] == 1
+    store = Store(cache_dir)
+    used = {cold["key"], baked_key(cold["key"])}
+    first = child_json(run_child(TWICE_CHILD, str(cache_dir), salt))
+    assert first["ok"] and (first["hits"], first["baked_hits"]) == (1, 1), first
+    # Another program is written after that hit, and the baked one is used again after it.
+    other = child_json(run_child(TWICE_CHILD, str(cache_dir), uuid.uuid4().hex))
+    assert other["writes"] == 1 and other["key"] not in used
+    since = time.time()
+    again = child_json(run_child(TWICE_CHILD, str(cache_dir), salt))
+    assert again["ok"] and (again["hits"], again["baked_hits"]) == (1, 1), again
+    last_used = {e.key: max(e.atime, e.mtime) for e in store.entries()}
+    assert all(last_used[k] >= since - 0.05 for k in used), (last_used, since)
+    # Room for two: the least recently used goes, the other program.
+    size = sum(store.path_for(k).stat().st_size for k in used)
+    out = json.loads(_cli("prune", "--dir", str(cache_dir), "--max-size", str(size), "--json"))
+    assert {e.key for e in store.entries()} == used, out

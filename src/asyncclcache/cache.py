@@ -447,7 +447,7 @@ class Cache:
         seconds = time.perf_counter() - t0
         if hit.outcome is HitOutcome.USED:
             self._counters.add("baked_hits")
-            self._hit(b, entry, hit, seconds)
+            self._hit(b, entry, hit, seconds, baked=key)
             return Built(hit.program, True, "cache retrieval (baked binary)", seconds,
                          replay=tuple(entry.meta.build_logs))
         logger.info("asyncclcache: baked binary of %s not used (%s): dropped", entry.key[:12], hit.why)
@@ -468,16 +468,19 @@ class Cache:
             self._memory.remember(entry)
         return entry
 
-    def _hit(self, b: Build, entry: Entry, hit: Hit, seconds: float) -> None:
-        """A program was built from ``entry``. A driver that can tell cheaply when the
-        program gains variants (kcache) gets it watched, for a refresh at flush."""
+    def _hit(self, b: Build, entry: Entry, hit: Hit, seconds: float, *, baked: str | None = None) -> None:
+        """A program was built from ``entry`` (from its baked binary, of key ``baked``, where
+        given). A driver that can tell cheaply when the program gains variants (kcache)
+        gets it watched, for a refresh at flush."""
         self._counters.add("hits")
         self._counters.add("seconds_saved", max(0.0, entry.meta.compile_seconds - seconds))
         self._count_in_step(hit=True)
         if not (self.active and self.store.writable):
             return
-        # LRU bookkeeping: a cheap utime, off the caller's thread.
-        self._workers.submit(lambda: self.store.touch(entry.key))
+        # LRU bookkeeping: a cheap utime, off the caller's thread. A baked hit used both
+        # entries: the size bound and prune evict by last use.
+        for key in (entry.key,) if baked is None else (entry.key, baked):
+            self._workers.submit(self.store.touch, key)
         driver = self.driver_for(b.devices)
         if driver.watches_hits:
             meta = entry.meta
