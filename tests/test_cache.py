@@ -193,3 +193,33 @@ def test_a_baked_hit_is_a_use_of_the_baked_binary(cache_dir, tmp_path):
     size = sum(store.path_for(k).stat().st_size for k in used)
     out = json.loads(_cli("prune", "--dir", str(cache_dir), "--max-size", str(size), "--json"))
     assert {e.key for e in store.entries()} == used, out
+
+
+def test_seconds_saved_count_each_program_once_per_process(cl_ctx, cache_dir, open_cache):
+    # Issue 26: a program built again in this process (a new context) finds pocl's and
+    # pyopencl's own caches holding it: a hit then saves nothing over a plain build.
+    import uuid
+
+    import pyopencl as cl
+
+    from conftest import child_json, run_child
+
+    salt = uuid.uuid4().hex
+    assert child_json(run_child(TWICE_CHILD, str(cache_dir), salt))["writes"] == 1  # another process's
+    cache = open_cache(cache_dir)
+
+    def build_in_a_new_context(source: str) -> float:
+        ctx = cl.Context(cl_ctx.devices)
+        prg = acc.Program(ctx, source, cache=cache).build()
+        assert run_twice(ctx, prg)
+        return cache.stats().seconds_saved
+
+    saved = [build_in_a_new_context(small_source("twice", salt=salt)) for _ in range(4)]
+    assert cache.stats().hits == 4
+    assert saved[0] > 0 and saved == [saved[0]] * 4, saved
+    # Built here from source first (a miss), then hits of its entry: nothing saved.
+    fresh = small_source("twice")
+    build_in_a_new_context(fresh)
+    assert cache.flush(120) and cache.stats().writes == 1
+    after = [build_in_a_new_context(fresh) for _ in range(3)]
+    assert cache.stats().hits == 7 and after == [saved[0]] * 3, after

@@ -136,6 +136,23 @@ class _Memory:
 _CACHES: weakref.WeakSet[Cache] = weakref.WeakSet()
 #: (directory, final counters) of every cache this process closed.
 _CLOSED: list[tuple[str, Stats]] = []
+#: Keys this process built (hit or miss), through any cache: a later build of one finds
+#: the driver's own cache (pocl's, pyopencl's) holding it already, so a hit saves nothing
+#: then. The newest MAX_BUILT_KEYS; a forked child keeps its parent's (and their caches).
+_BUILT: dict[str, None] = {}
+_built_lock = threading.Lock()
+MAX_BUILT_KEYS = 1 << 16
+
+
+def _first_build(key: str) -> bool:
+    """Whether this process builds ``key`` for the first time; remembers it. Thread-safe."""
+    with _built_lock:
+        if key in _BUILT:
+            return False
+        _BUILT[key] = None
+        if len(_BUILT) > MAX_BUILT_KEYS:
+            del _BUILT[next(iter(_BUILT))]
+        return True
 
 
 class Cache:
@@ -473,7 +490,8 @@ class Cache:
         given). A driver that can tell cheaply when the program gains variants (kcache)
         gets it watched, for a refresh at flush."""
         self._counters.add("hits")
-        self._counters.add("seconds_saved", max(0.0, entry.meta.compile_seconds - seconds))
+        if _first_build(b.info.key):
+            self._counters.add("seconds_saved", max(0.0, entry.meta.compile_seconds - seconds))
         self._count_in_step(hit=True)
         if not (self.active and self.store.writable):
             return
@@ -500,6 +518,7 @@ class Cache:
         """
         t0 = time.perf_counter()
         self._counters.add("misses")
+        _first_build(b.info.key)
         self._count_in_step(hit=False)
         seen = self._memory.seen(b.info.key)
         if not (self.active and self.store.writable):
@@ -586,8 +605,9 @@ def step(*, wait: bool = False) -> Any:
 
 
 def _after_fork_in_child() -> None:
-    global _default_lock
+    global _default_lock, _built_lock
     _default_lock = threading.Lock()
+    _built_lock = threading.Lock()  # _BUILT stays: the parent's builds are in the driver's caches
     _CLOSED.clear()  # the parent's, reported by the parent
     for cache in list(_CACHES):
         cache._start_fresh()
