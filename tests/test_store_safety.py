@@ -496,3 +496,74 @@ def test_symlinked_fanout_directory_is_refused(tmp_path):
 
 
 # }}}
+
+
+# {{{ what stands where an entry file belongs is replaced by the next write
+
+
+@contextlib.contextmanager
+def _unremovable(directory: Path) -> Iterator[None]:
+    """``directory`` (holding a file) made one that no ``rmtree`` by us can empty: its file
+    immutable for root (which permissions do not stop), the directory read-only for anyone
+    else. Undone at the end, wherever the directory was moved to meanwhile."""
+    inner = directory / "inner"
+    inner.write_bytes(b"x")
+    if os.geteuid() == 0:
+        chattr = shutil.which("chattr")
+        if chattr is None or subprocess.run([chattr, "+i", str(inner)], capture_output=True, check=False).returncode:
+            pytest.skip("no chattr +i here (root ignores permissions)")
+        undo = [chattr, "-i"]
+    else:
+        directory.chmod(0o500)
+    try:
+        yield
+    finally:
+        for d in [directory, *directory.parent.glob(".tmp-*")]:
+            if d.is_dir() and not d.is_symlink():
+                if os.geteuid() == 0:
+                    subprocess.run([*undo, str(d / "inner")], capture_output=True, check=False)
+                d.chmod(0o700)
+
+
+@pytest.mark.parametrize("what", ["directory", "symlink", "writable by others"])
+def test_what_stands_in_place_of_an_entry_is_replaced_by_the_next_write(cl_ctx, cache_dir, open_cache,
+                                                                         tmp_path, what):
+    # Issue 26: the lookup refuses it, and the write of the rebuilt program must not take it
+    # for another process's entry written meanwhile (the claim skipped it: a miss for good).
+    src = small_source()
+    cache = open_cache(cache_dir)
+    key = acc.Program(cl_ctx, src, cache=cache).build().cache_key
+    assert cache.close()
+    path = Store(cache_dir).path_for(key)
+    target = tmp_path / "target"
+    target.write_bytes(b"not ours to touch")
+    with contextlib.ExitStack() as stack:
+        if what == "directory":
+            path.unlink()
+            path.mkdir()
+            stack.enter_context(_unremovable(path))
+        elif what == "symlink":
+            path.unlink()
+            path.symlink_to(target)
+        else:
+            path.chmod(0o666)
+        again = open_cache(cache_dir)
+        with pytest.warns((acc.CorruptEntryWarning, InsecureCacheWarning)):
+            prg = acc.Program(cl_ctx, src, cache=again).build()
+        assert run_twice(cl_ctx, prg)
+        assert again.flush(120)
+        s = again.stats()
+        assert (s.misses, s.writes, s.skipped, s.write_errors) == (1, 1, 0, 0), s
+        assert again.close()
+        assert path.is_file() and not path.is_symlink()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert target.read_bytes() == b"not ours to touch"
+        third = open_cache(cache_dir)
+        assert run_twice(cl_ctx, acc.Program(cl_ctx, src, cache=third).build())
+        assert third.stats().hits == 1
+    # A directory moved aside goes with the sweep, once its file can go.
+    maintenance.sweep(Store(cache_dir))
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+# }}}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +46,8 @@ class PruneResult:
 
 
 def orphans(store: Store, *, remove_locks: bool = False) -> tuple[list[Path], list[Path]]:
-    """Temp files whose writer is gone (or too old) and lock files nobody holds; with
+    """Temp files whose writer is gone (or too old), directories under a temp name (moved
+    aside from an entry's place: no writer's), and lock files nobody holds; with
     ``remove_locks``, those lock files are removed as they are found."""
     temps: list[Path] = []
     locks: list[Path] = []
@@ -53,9 +56,13 @@ def orphans(store: Store, *, remove_locks: bool = False) -> tuple[list[Path], li
         if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
             host, pid = temp_writer(name)
             try:
-                age = now - os.lstat(p).st_mtime
+                st = os.lstat(p)
             except OSError:
                 continue
+            if stat.S_ISDIR(st.st_mode):
+                temps.append(p)
+                continue
+            age = now - st.st_mtime
             # Another host's writer (a shared directory): our PIDs say nothing of it.
             alive = (pid is not None and _pid_alive(pid)) if host == HOST else True
             if not alive or age > TEMP_MAX_AGE:
@@ -152,7 +159,10 @@ def sweep(store: Store) -> int:
     n = len(locks)
     for p in temps:
         try:
-            os.unlink(p)
+            if stat.S_ISDIR(os.lstat(p).st_mode):
+                shutil.rmtree(p)  # follows no link
+            else:
+                os.unlink(p)
             n += 1
         except OSError:
             pass

@@ -30,6 +30,8 @@ import enum
 import errno
 import logging
 import os
+import secrets
+import shutil
 import stat
 import time
 import warnings
@@ -51,6 +53,7 @@ from .fileio import (
     insecure,
     make_private_dir,
     nofollow_opener,
+    temp_prefix,
     unlink_if_same,
 )
 from .keys import FORMAT_VERSION
@@ -278,15 +281,17 @@ class Store:
     def lookup(
         self, key: str, devices: Sequence[dict[str, str]] | None = None
     ) -> tuple[Entry | None, Stamp | None]:
-        """:meth:`load`, and the :func:`stamp_of` of the file it read (``None``: none),
-        so that a writer can tell later, without a clock, whether the file was replaced."""
+        """:meth:`load`, and the :func:`stamp_of` of the file it found (``None``: none),
+        so that a writer can tell later, without a clock, whether the file was replaced.
+        What it refused counts as found, as its removal left it (nothing, or a link, a
+        directory, another user's file): the write that follows replaces it."""
         r = self.read(key)
         if r.problem is not None:
             self._reject(r.path, r.problem, r.stat, insecure=r.insecure)
-            return None, None
+            return None, self.stamp(key)
         if r.entry is not None and devices is not None and r.entry.meta.devices != list(devices):
             self._reject(r.path, "was built for another device", r.stat)
-            return None, None
+            return None, self.stamp(key)
         return r.entry, (stamp_of(r.stat) if r.entry is not None and r.stat is not None else None)
 
     def stamp(self, key: str) -> Stamp | None:
@@ -357,7 +362,8 @@ class Store:
                 f"asyncclcache: ignoring cache entry {path}: {why}", InsecureCacheWarning, stacklevel=4
             )
             return
-        # Remove first: a warnings filter set to "error" must not leave the bad file.
+        # Remove first: a warnings filter set to "error" must not leave the bad file (what
+        # cannot be removed here, the write that replaces it moves aside: _clear_way).
         unlink_if_same(path, st)
         logger.warning("dropping damaged cache entry %s: %s", path, why)
         warnings.warn(
@@ -429,12 +435,30 @@ class Store:
             if claim is None:
                 return PublishResult.SKIPPED
         try:
+            self._clear_way(key)
             atomic_write(self._fanout(key), self.path_for(key), data, write_hook)
             claim.written = self.stamp(key)
         finally:
             if own:
                 claim.release()
         return PublishResult.WRITTEN
+
+    def _clear_way(self, key: str) -> None:
+        """Under ``key``'s claim: a directory where its entry file belongs (a rename cannot
+        replace one) is moved aside, under a temp name, and removed as far as it can be
+        (the rest goes with a later :func:`~.maintenance.sweep`). A link or a file is left: the rename replaces
+        the name, never writing through it."""
+        path = self.path_for(key)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            return
+        aside = path.parent / f"{temp_prefix()}{secrets.token_hex(6)}{TEMP_SUFFIX}"
+        os.rename(path, aside)  # in our own fan-out directory (checked by the claim)
+        logger.info("moved aside a directory in place of cache entry %s", path)
+        shutil.rmtree(aside, ignore_errors=True)  # follows no link
 
     def remove(self, key: str) -> bool:
         """Delete the entry for ``key``; True if there was one."""
