@@ -514,3 +514,78 @@ def test_options_that_add_files_or_move_the_search_make_it_uncacheable(cl_ctx: A
     assert make_key(SOURCE, b"-DINCLUDE=1 -I inc", cl_ctx.devices, []).uncertain is None
     monkeypatch.setenv("POCL_EXTRA_BUILD_FLAGS", opts.decode())
     assert make_key(SOURCE, b"", cl_ctx.devices, []).uncertain is not None
+
+
+# {{{ each driver's settings in the key (issue 26): our selection, on a plain environment
+
+
+def _selected(platform: str, env: dict[str, str]) -> dict[str, str]:
+    from asyncclcache.keys import DRIVER_SETTINGS
+
+    return DRIVER_SETTINGS[platform].select(env)
+
+
+# Set on every machine, or by other drivers and tools: never in another driver's key.
+_UNRELATED = {"HOME": "/h", "PATH": "/usr/bin", "XDG_CACHE_HOME": "/x", "POCL_WORK_GROUP_METHOD": "cbs",
+              "CL_CONFIG_CPU_TARGET_ARCH": "corei7", "OMPI_COMM_WORLD_RANK": "3", "PYOPENCL_CTX": "0"}
+
+
+def test_mesa_settings_that_change_code_are_in_the_key_and_its_cache_places_are_not() -> None:
+    from asyncclcache.mesa_env import RUSTICL_PLATFORM_NAME
+
+    code = {
+        "LP_NATIVE_VECTOR_WIDTH": "128", "LP_PERF": "no_mipmap", "LP_DEBUG": "accurate_a0",
+        "GALLIVM_PERF": "nopt", "GALLIVM_DEBUG": "nopt", "GALLIUM_NOSSE": "1",
+        "GALLIUM_OVERRIDE_CPU_CAPS": "nosse", "GALLIUM_DRIVER": "softpipe",
+        "MESA_SPIRV_FORCE_UNSTRUCTURED": "1", "MESA_LOADER_DRIVER_OVERRIDE": "zink",
+        "RUSTICL_FEATURES": "fp64", "RUSTICL_DEBUG": "no_variants", "RUSTICL_CL_VERSION": "3.0",
+        "RUSTICL_DEVICE_TYPE": "gpu", "AMD_DEBUG": "w64cs", "INTEL_DEBUG": "no16", "ZINK_DEBUG": "nir",
+        "NV50_PROG_OPTIMIZE": "0",
+    }
+    not_code = {
+        # Where Mesa's cache lives and which backend: a new node with another folder must hit.
+        "MESA_SHADER_CACHE_DIR": "/node2/m", "MESA_GLSL_CACHE_DIR": "/g", "MESA_SHADER_CACHE_MAX_SIZE": "1G",
+        "MESA_SHADER_CACHE_DISABLE": "false", "MESA_DISK_CACHE_MULTI_FILE": "1",
+        "MESA_DISK_CACHE_SINGLE_FILE": "0", "MESA_DISK_CACHE_DATABASE": "0",
+        # Logging, threads, and which devices (their identity is in the key).
+        "MESA_DEBUG": "silent", "MESA_LOG_FILE": "/tmp/log", "GALLIUM_HUD": "fps", "GALLIUM_PRINT_OPTIONS": "1",
+        "LP_NUM_THREADS": "4", "GALLIUM_THREAD": "0", "RUSTICL_ENABLE": "llvmpipe",
+    }
+    assert _selected(RUSTICL_PLATFORM_NAME, {**code, **not_code, **_UNRELATED}) == code
+    assert _selected("Clover", code) == code
+    # Two nodes that differ only in where their caches are have the same settings.
+    assert _selected(RUSTICL_PLATFORM_NAME, {"MESA_SHADER_CACHE_DIR": "/a", "LP_PERF": "x"}) == \
+        _selected(RUSTICL_PLATFORM_NAME, {"MESA_SHADER_CACHE_DIR": "/b", "LP_PERF": "x"})
+
+
+def test_nvidia_jit_settings_are_in_the_key_and_cache_and_device_choice_are_not() -> None:
+    from asyncclcache.cuda_env import NVIDIA_PLATFORM_NAME
+
+    code = {"CUDA_FORCE_PTX_JIT": "1", "CUDA_DISABLE_PTX_JIT": "1", "CUDA_FORCE_JIT": "1",
+            "CUDA_MODULE_LOADING": "EAGER"}
+    not_code = {
+        "CUDA_CACHE_PATH": "/node2/nv", "CUDA_CACHE_MAXSIZE": "4294967296", "CUDA_CACHE_DISABLE": "0",
+        "CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # differ per rank
+        "CUDA_LAUNCH_BLOCKING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "8",
+        "CUDA_MPS_PIPE_DIRECTORY": "/tmp/job1/mps", "CUDA_MPS_LOG_DIRECTORY": "/tmp/job1/log",
+    }
+    assert _selected(NVIDIA_PLATFORM_NAME, {**code, **not_code, **_UNRELATED}) == code
+    # Rank 0 and rank 3 of one job share their entries.
+    assert _selected(NVIDIA_PLATFORM_NAME, {"CUDA_VISIBLE_DEVICES": "0"}) == \
+        _selected(NVIDIA_PLATFORM_NAME, {"CUDA_VISIBLE_DEVICES": "3"}) == {}
+
+
+def test_intel_and_pocl_settings_each_stay_in_their_own_key() -> None:
+    from asyncclcache.keys import INTEL_CPU_PLATFORM_NAMES, POCL_PLATFORM_NAME
+
+    env = {"CL_CONFIG_CPU_TARGET_ARCH": "corei7", "CL_CONFIG_USE_VECTORIZER": "False",
+           "CL_CONFIG_USE_FAST_RELAXED_MATH": "True", "CL_CONFIG_CPU_TBB_NUM_WORKERS": "1",
+           "CL_CONFIG_LOG_FILE": "/tmp/log", "POCL_WORK_GROUP_METHOD": "cbs", "POCL_DEBUG": "1",
+           "LP_PERF": "x", "CUDA_FORCE_PTX_JIT": "1"}
+    for name in INTEL_CPU_PLATFORM_NAMES:
+        assert _selected(name, env) == {"CL_CONFIG_CPU_TARGET_ARCH": "corei7", "CL_CONFIG_USE_VECTORIZER": "False",
+                                        "CL_CONFIG_USE_FAST_RELAXED_MATH": "True"}
+    assert _selected(POCL_PLATFORM_NAME, env) == {"POCL_WORK_GROUP_METHOD": "cbs"}
+
+
+# }}}

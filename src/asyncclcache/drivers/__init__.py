@@ -6,7 +6,8 @@
   cache and Mesa's shader cache for rusticl (:mod:`.filecache`, drivers
   ``kcache-nvidia`` and ``kcache-mesa``).
 * ``process`` (:mod:`.pocl`): a helper process does the warm-up and the snapshot
-  (binary query). What ``auto`` picks for pocl's CPU devices with ``POCL_KERNEL_CACHE=0``.
+  (binary query). What ``auto`` picks for pocl's CPU devices with ``POCL_KERNEL_CACHE=0``;
+  asked for where no device is a pocl CPU device, ``auto``'s pick instead.
 * ``thread`` (:mod:`.inprocess`): a worker thread queries through ctypes. What
   ``auto`` picks for everything else.
 * ``sync`` (:mod:`.inprocess`): inline, for comparison.
@@ -112,9 +113,14 @@ def auto_strategy(devices: Sequence[cl.Device]) -> str:
 
 
 def resolve_strategy(requested: str, devices: Sequence[cl.Device]) -> str:
-    """The driver to use: ``requested``, except that ``auto`` is resolved, and ``kcache``
-    becomes the driver cache of these devices, or ``auto``'s pick where there is none."""
+    """The driver to use: ``requested``, except that ``auto`` is resolved, ``kcache``
+    becomes the driver cache of these devices, or ``auto``'s pick where there is none, and
+    ``process`` becomes ``auto``'s pick where no device is a pocl CPU device (only there
+    does the binary query compile: elsewhere the helper would repeat the whole build).
+    Thread-safe."""
     if requested in ("auto", "kcache"):
+        return auto_strategy(devices)
+    if requested == "process" and not any(is_pocl_cpu(d) for d in devices):
         return auto_strategy(devices)
     return requested
 
