@@ -449,6 +449,10 @@ def settings_of(devices: Sequence[cl.Device]) -> tuple[dict[str, str], str | Non
             got, why = _platform_settings(platform, table)
             out.update(got)
             doubt = doubt or why
+    if "CUDA_HOME" in os.environ and any(
+            d.platform.name == POCL_PLATFORM_NAME and not d.type & cl.device_type.CPU for d in devices):
+        # pocl's CUDA device takes libdevice from there (F24), and pocl's own hash misses it.
+        out["CUDA_HOME"] = os.environ["CUDA_HOME"]
     if any(d.type & cl.device_type.CPU for d in devices):
         out["host_cpu"] = host_cpu_features()
     return out, doubt
