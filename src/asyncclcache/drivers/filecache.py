@@ -9,12 +9,14 @@ JIT, rusticl's SPIR-V still compiles at the first launch.
 
 * **Identify** (background thread): the files that appeared while the program was built
   and first launched, by their ``ctime`` in the file system's own time base
-  (:class:`~asyncclcache.fsclock.FsClock`). The window ends where this process's next
-  build begins, so consecutive programs do not share files. A file that another build
-  (a thread, a rank) added in the same window is another valid cache file, not a wrong
-  one: the driver only ever opens the file its own hash names. So there is no probe;
-  only bounds (files, bytes) and the trust rules of pocl's cache: ours, writable by no
-  one else, regular, one link.
+  (:class:`~asyncclcache.fsclock.FsClock`). The window ends where the next build of the
+  same thread begins (sequential code launches what it built before it builds again), so
+  consecutive programs do not share files. A build in another thread says nothing about
+  this one's launches: a file in the windows of builds of two threads may be either's,
+  and is in no entry (``in_doubt``, counted ``left_out``; a later hit where the program
+  is built alone adds it, see *Hit*). Nor is a file that a hit of this process restored.
+  There is no probe; only bounds (files, bytes) and the trust rules of pocl's cache:
+  ours, writable by no one else, regular, one link.
 * **Snapshot**: :attr:`Layout.settle` seconds after the build (NVIDIA writes at the
   build; Mesa writes later, from its own thread, and at the first launches), batched on
   half-seconds, or at a step's end or ``flush()`` (after :attr:`Layout.grace`). At
@@ -33,11 +35,15 @@ JIT, rusticl's SPIR-V still compiles at the first launch.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import logging
+import math
 import os
 import re
 import stat
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -161,16 +167,70 @@ def read_files(root: Path, names: Sequence[str]) -> Snapshot:
     return Snapshot(blobs, files)
 
 
+_local = threading.local()
+_thread_numbers = itertools.count(1)
+
+
+def _thread() -> int:
+    """The calling thread's number: unlike ``threading.get_ident()``, never reused by a
+    later thread (whose builds must not close the windows of this one's)."""
+    n = getattr(_local, "n", None)
+    if n is None:
+        n = _local.n = next(_thread_numbers)
+    return n
+
+
+@dataclass(eq=False)
+class _Span:
+    """One build of this process through the driver (a miss's, or a hit's), in
+    ``time.time()``: what the driver writes for its program appears from ``start`` on."""
+
+    start: float
+    thread: int  # :func:`_thread`; 0: unknown (every other build is another thread's)
+    end: float | None = None  # None while a hit's build runs
+
+
 @dataclass
 class _Watch:
     """A hit, checked in the background: did its build add files anyway?"""
 
     key: str
-    since: float  # time.time() before the restore
-    until: float  # time.time() after the build
+    span: _Span  # from before the restore to after the build
     files: frozenset[str]  # what the entry holds
     due: float
     added: frozenset[str] | None = None  # the answer
+
+
+class _Windows:
+    """Every build's window in the file system's time, as known at one scan: from the
+    build's start to the start of the next build of its thread (none yet: open)."""
+
+    def __init__(self, spans: list[_Span], since: float, until: float) -> None:
+        # since/until: FsClock.since(0), .until(0); both are local time plus a constant.
+        self._since = since
+        self._until = until
+        by_thread: dict[int, list[float]] = {}
+        for sp in spans:
+            by_thread.setdefault(sp.thread, []).append(sp.start)
+        for starts in by_thread.values():
+            starts.sort()
+        self._closes: dict[_Span, float] = {}
+        for sp in spans:
+            starts = by_thread[sp.thread]
+            i = len(starts) if sp.end is None or not sp.thread else bisect.bisect_right(starts, sp.end)
+            self._closes[sp] = starts[i] if i < len(starts) else math.inf
+        self._all = [(sp, *self.bounds(sp)) for sp in spans]
+
+    def bounds(self, span: _Span) -> tuple[float, float]:
+        """``span``'s window: the stamps a touch in it can carry."""
+        close = self._closes.get(span, math.inf)
+        return span.start + self._since, close + self._until
+
+    def others(self, span: _Span, lo: float, hi: float) -> list[tuple[float, float]]:
+        """The windows of other threads' builds that meet ``[lo, hi]`` (of a build of no
+        known thread: every other build's)."""
+        return [(a, b) for sp, a, b in self._all
+                if sp is not span and (sp.thread != span.thread or not span.thread) and a <= hi and lo <= b]
 
 
 class FileCacheDriver(BackgroundDriver):
@@ -195,33 +255,36 @@ class FileCacheDriver(BackgroundDriver):
         self.clock = FsClock(root)  # unmeasured (the worst case) until the thread measures
         super().__init__()
         self._watches: dict[str, _Watch] = {}
-        #: ``time.time()`` at the start of each build this process ran through us, sorted:
-        #: a window ends where the next build begins.
-        self._starts: list[float] = []
+        #: Every build this process ran through us (bounded): a window ends where the next
+        #: build of its thread begins, and a file in the windows of two threads' is in doubt.
+        self._spans: list[_Span] = []
+        #: The build of each job (a miss), set by :meth:`built` on the caller's thread.
+        self._span_of: weakref.WeakKeyDictionary[Job, _Span] = weakref.WeakKeyDictionary()
         #: Every name of an entry this process hit (placed by its restore or found there): a
-        #: hit's check must not take a file that another hit restored, or that an entry holds
-        #: and the driver made at start-up, for a file the driver added for it (bounded).
+        #: window must not take a file that a hit restored, or that an entry holds and the
+        #: driver made at start-up, for a file the driver added for its build (bounded).
         self._known: dict[str, None] = {}
         #: The files each job's last written entry holds (written by the pipeline's writer
         #: thread, :meth:`written`; a hit's by :meth:`watch` before the job is shared).
         self._written: weakref.WeakKeyDictionary[Job, frozenset[str]] = weakref.WeakKeyDictionary()
         self.scans = 0
         self.unused = 0  # hits whose build added files to the driver's cache anyway
-        self.left_out = 0  # files of a window not stored: bounds, trust rules, gone meanwhile
+        self.left_out = 0  # files of a window not stored: bounds, trust rules, gone meanwhile, in doubt
+        self.in_doubt = 0  # of those: also in the window of a build of another thread
 
     # {{{ caller's threads
 
     def built(self, job: Job) -> None:
-        self._started(job.built_from)
+        span = _Span(job.built_from, _thread(), job.built_to)
         with self._cond:
+            self._span_of[job] = span
+            self._add(span)
             self._start()  # measures the file system's clock before the first snapshot
 
-    def _started(self, t: float) -> None:
-        with self._cond:
-            self._starts.append(t)
-            if len(self._starts) > 1 and self._starts[-2] > t:
-                self._starts.sort()
-            del self._starts[:-4096]
+    def _add(self, span: _Span) -> None:
+        # Under self._cond.
+        self._spans.append(span)
+        del self._spans[:-4096]
 
     def hurry(self) -> None:
         now = time.time()
@@ -257,15 +320,21 @@ class FileCacheDriver(BackgroundDriver):
             # thread) and the builds whose window may have grown.
             time.sleep(max(0.0, min(self._hurried_at + self.layout.grace - time.time(), self.layout.grace)))
             self.clock = clock_for(str(self.root)) or self.clock
-            lo = min([self._lo(h.since) for h in checks] + [self._lo(j.built_from) for j in built])
+            lo = min([self._lo(h.span.start) for h in checks] + [self._lo(j.built_from) for j in built])
             added = added_files(self.root, self.layout, lo)
+            windows = self._windows()
             for h in checks:
-                self._check(h, added)
+                self._check(h, windows, added)
         with self._cond:
             grown = {k: h.added for k, h in self._watches.items() if h.added is not None}
         out = [j for j in jobs if grown.get(j.key) and not grown[j.key] <= written[j]]
-        out += [j for j in built
-                if not set(self._window(added, j.built_from, self._end(j.built_to))) <= written[j]]
+        windows = self._windows()
+        for j in built:
+            # Gained files, or holds one now in doubt (a build of another thread that ended
+            # after the snapshot): rewritten with its own files.
+            own, doubt = self._split(windows, added, self._span(j))
+            if not set(own) <= written[j] or not written[j].isdisjoint(doubt):
+                out.append(j)
         return out
 
     def build_from_entry(self, entry: Entry, build: Build) -> Hit:
@@ -273,22 +342,27 @@ class FileCacheDriver(BackgroundDriver):
         bad = next((f for f in files if not self.layout.valid(f)), None)
         if bad is not None:
             return Hit(HitOutcome.REFUSED, None, f"the entry holds {bad!r}, not a file of {self.layout.what}")
-        since = time.time()
-        self._started(since)
+        span = _Span(time.time(), _thread())
+        with self._cond:
+            self._add(span)  # from before the restore: another thread's window is in doubt now
         try:
-            restore(self.root, files, entry.binaries, self.layout.valid)
-        except (OSError, ValueError) as e:
-            self._warn_once("restore", f"could not restore {self.layout.what} ({e}); built from source")
-            return Hit(HitOutcome.NOT_RESTORED, build.from_source(), f"restore failed: {e}")
-        program = build.from_source()
-        until = time.time()
+            try:
+                restore(self.root, files, entry.binaries, self.layout.valid)
+            except (OSError, ValueError) as e:
+                self._warn_once("restore", f"could not restore {self.layout.what} ({e}); built from source")
+                return Hit(HitOutcome.NOT_RESTORED, build.from_source(), f"restore failed: {e}")
+            program = build.from_source()
+        finally:
+            with self._cond:
+                span.end = time.time()
+        until = span.end
         with self._cond:
             self._known.update(dict.fromkeys(files))
             while len(self._known) > 65536:
                 del self._known[next(iter(self._known))]
             if not self._closed:
                 self._watches[entry.key] = _Watch(
-                    entry.key, since, until, frozenset(files), due=until + self.layout.settle,
+                    entry.key, span, frozenset(files), due=until + self.layout.settle,
                 )
                 while len(self._watches) > 4096:
                     del self._watches[next(iter(self._watches))]
@@ -318,12 +392,13 @@ class FileCacheDriver(BackgroundDriver):
                 self._waiting = [w for w in self._waiting if id(w) not in taken]
             t0 = time.thread_time()
             self.clock = clock_for(str(self.root)) or self.clock
-            lo = min([self._lo(w.job.built_from) for w in due] + [self._lo(h.since) for h in checks])
+            lo = min([self._lo(w.job.built_from) for w in due] + [self._lo(h.span.start) for h in checks])
             self.scans += 1
             added = added_files(self.root, self.layout, lo)
-            reports = [self._snapshot(w, added) for w in due]
+            windows = self._windows()
+            reports = [self._snapshot(w, windows, added) for w in due]
             for h in checks:
-                self._check(h, added)
+                self._check(h, windows, added)
             if self.on_cpu is not None:
                 self.on_cpu(time.thread_time() - t0)
             for done, snap, error in reports:
@@ -332,18 +407,38 @@ class FileCacheDriver(BackgroundDriver):
     def _lo(self, t: float) -> float:
         return self.clock.since(t)
 
-    def _end(self, built_to: float) -> float | None:
-        """``time.time()`` at which this process's next build began (``None``: none yet)."""
+    def _span(self, job: Job) -> _Span:
+        """The build of ``job`` (a miss); one not registered (yet) is of no known thread."""
         with self._cond:
-            return next((s for s in self._starts if s > built_to), None)
+            span = self._span_of.get(job)
+        return span if span is not None else _Span(job.built_from, 0, job.built_to)
 
-    def _window(self, added: dict[str, float], since: float, until: float | None) -> list[str]:
-        lo = self._lo(since)
-        hi = float("inf") if until is None else self.clock.until(until)
-        return [rel for rel, ctime in added.items() if lo <= ctime <= hi]
+    def _windows(self) -> _Windows:
+        """Every build's window as known now (once per scan)."""
+        with self._cond:
+            spans = list(self._spans)
+        return _Windows(spans, self.clock.since(0.0), self.clock.until(0.0))
+
+    def _split(self, windows: _Windows, added: dict[str, float], span: _Span) -> tuple[list[str], list[str]]:
+        """The files of ``added`` in ``span``'s window: its own, and those in doubt (also in
+        the window of a build of another thread, whose launches come in any order). What a
+        hit of this process restored is no build's own."""
+        lo, hi = windows.bounds(span)
+        mine = {rel: ctime for rel, ctime in added.items() if lo <= ctime <= hi}
+        if not mine:
+            return [], []
+        others = windows.others(span, lo, hi)
+        with self._cond:
+            known = {rel for rel in mine if rel in self._known}
+        own: list[str] = []
+        doubt: list[str] = []
+        for rel, ctime in sorted(mine.items()):
+            if rel not in known:
+                (doubt if any(a <= ctime <= b for a, b in others) else own).append(rel)
+        return own, doubt
 
     def _snapshot(
-        self, w: Waiting, added: dict[str, float],
+        self, w: Waiting, windows: _Windows, added: dict[str, float],
     ) -> tuple[Done, Snapshot | None, BaseException | None]:
         job = w.job
         try:
@@ -351,9 +446,15 @@ class FileCacheDriver(BackgroundDriver):
             if watch is not None and watch.added:
                 names = sorted(watch.files | watch.added)  # a hit's entry, with what the build added
             else:
-                names = self._window(added, job.built_from, self._end(job.built_to))
+                names, doubt = self._split(windows, added, self._span(job))
+                if doubt:
+                    self.in_doubt += len(doubt)
+                    self.left_out += len(doubt)
+                    self.count("left_out", len(doubt))
                 if not names:
-                    raise Lost(f"no file appeared in {self.layout.what} ({self.root}) during this build")
+                    raise Lost(
+                        f"no file appeared in {self.layout.what} ({self.root}) during this build"
+                        + (f" but {len(doubt)} that a build of another thread may have made" if doubt else ""))
             snap = read_files(self.root, names)
             left = len(names) - len(snap.files or ())  # beyond the bounds, refused, or gone
             if left:
@@ -363,13 +464,12 @@ class FileCacheDriver(BackgroundDriver):
             return w.done, None, e
         return w.done, snap, None
 
-    def _check(self, h: _Watch, added: dict[str, float]) -> None:
+    def _check(self, h: _Watch, windows: _Windows, added: dict[str, float]) -> None:
+        # What the restore placed is in the entry: a name of it, or of another hit's (left
+        # out by _split); what a build of another thread may have made is in doubt.
+        own, _doubt = self._split(windows, added, h.span)
         with self._cond:
-            new = frozenset(
-                rel for rel in self._window(added, h.since, self._end(h.until))
-                # What the restore placed is in the entry: a name of it, or of another hit's.
-                if rel not in h.files and rel not in self._known
-            )
+            new = frozenset(rel for rel in own if rel not in h.files)
             if h.added is not None:
                 return  # checked meanwhile (the thread, or stale())
             h.added = new
