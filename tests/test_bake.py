@@ -250,3 +250,94 @@ def test_what_cannot_be_baked_here_is_said(cache_dir: Path, tmp_path: Path, what
     claim.release()
     result = _bake(cache_dir)
     assert result["baked"] == 0 and result["skipped"] == {expected: 1}, result
+
+
+# {{{ issue 26: bake builds where the job built
+
+# Builds one program whose params.h is found in the working folder (or -I inc), launches it,
+# and reports its value: the child's working folder is the test's.
+HEADER_RUN = r"""
+import json, sys
+import numpy as np, pyopencl as cl, asyncclcache as acc
+from _pocl import pocl_context
+ctx = pocl_context(); q = cl.CommandQueue(ctx)
+cache = acc.Cache(sys.argv[1], rank_local=False)
+src = '#include "params.h"\n__kernel void f(__global int *c) { c[0] = V; }\n'
+prg = acc.Program(ctx, src, cache=cache).build(options=sys.argv[2:])
+c = np.zeros(1, np.int32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
+prg.f(q, (1,), None, cd); cl.enqueue_copy(q, c, cd); q.finish()
+assert cache.flush(60)
+print(json.dumps({"value": int(c[0]), "key": prg.cache_key, **cache.stats().as_dict()}))
+"""
+
+
+def _bake_in(cache_dir: Path, cwd: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "asyncclcache", "bake", "--dir", str(cache_dir), "--json"],
+                          capture_output=True, text=True, timeout=600, check=False, cwd=cwd)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("options", [(), ("-I", "inc")], ids=["quoted", "relative-I"])
+def test_bake_from_another_folder_builds_where_the_job_built(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: tuple[str, ...],
+) -> None:
+    prog, elsewhere = tmp_path / "prog", tmp_path / "elsewhere"
+    (prog / "inc").mkdir(parents=True)
+    elsewhere.mkdir()
+    (prog / ("inc" if options else ".") / "params.h").write_text("#define V 7\n")
+    (elsewhere / "params.h").write_text("#define V 99\n")  # what the bake's own folder would give
+    monkeypatch.chdir(prog)
+    cold = child_json(run_child(HEADER_RUN, str(cache_dir), *options, pocl_cache=tmp_path / "cold"))
+    assert (cold["value"], cold["writes"]) == (7, 1), cold
+    store = Store(cache_dir, rank_local=False, create=False)
+    [entry] = [store.load(e.key) for e in store.entries()]
+    assert entry is not None and entry.meta.cwd == str(prog.resolve()), entry.meta.cwd
+    result = _bake_in(cache_dir, elsewhere)
+    assert result["baked"] == 1 and not result["skipped"] and not result["failed"], result
+    warm = child_json(run_child(HEADER_RUN, str(cache_dir), *options, pocl_cache=tmp_path / "warm"))
+    assert (warm["value"], warm["key"], warm["baked_hits"]) == (7, cold["key"], 1), warm
+
+
+def test_bake_skips_an_entry_whose_headers_resolve_otherwise_in_its_folder(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Keyed with inc/params.h; then ./params.h appears, which "." finds first: not that key.
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "params.h").write_text("#define V 7\n")
+    monkeypatch.chdir(tmp_path)
+    cold = child_json(run_child(HEADER_RUN, str(cache_dir), "-I", "inc", pocl_cache=tmp_path / "cold"))
+    assert cold["value"] == 7
+    (tmp_path / "params.h").write_text("#define V 99\n")
+    result = _bake_in(cache_dir, tmp_path)
+    assert result["baked"] == 0 and result["skipped"] == {
+        "built in its folder, a header it includes is another file": 1}, result
+
+
+@pytest.mark.parametrize("what", ["gone", "a file"])
+def test_bake_skips_an_entry_whose_folder_is_gone(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str,
+) -> None:
+    prog = tmp_path / "prog"
+    prog.mkdir()
+    monkeypatch.chdir(prog)
+    _run(cache_dir, tmp_path / "cold", n=1)
+    monkeypatch.chdir(tmp_path)
+    prog.rmdir()
+    if what == "a file":
+        prog.write_text("")
+    result = _bake_in(cache_dir, tmp_path)
+    why = "the folder it was built in is gone" if what == "gone" else "the folder it was built in is not a folder"
+    assert result["baked"] == 0 and result["skipped"] == {why: 1}, result
+
+
+@pytest.mark.parametrize("cwd", ["relative/folder", ""])
+def test_an_entry_whose_folder_is_not_an_absolute_path_is_damaged(cwd: str) -> None:
+    from asyncclcache.entry import EntryFormatError, EntryMeta
+
+    assert EntryMeta.from_json({"cwd": "/abs"}).cwd == "/abs"
+    assert EntryMeta.from_json({}).cwd is None  # an entry of an earlier release
+    with pytest.raises(EntryFormatError, match="'cwd' is not an absolute path"):
+        EntryMeta.from_json({"cwd": cwd})
+
+# }}}

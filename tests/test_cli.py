@@ -459,3 +459,55 @@ def test_a_read_only_directory_is_an_error_not_a_no_op(populated: tuple[Path, in
     assert len(list(store.entries())) == 3  # nothing changed
 
 # }}}
+
+
+# {{{ issue 26: bake and export --bake where no OpenCL platform is found (a login node)
+
+_BUILD = r"""
+import sys
+import asyncclcache as acc
+from kernels import small_source, run_twice
+from _pocl import pocl_context
+ctx = pocl_context()
+cache = acc.Cache(sys.argv[1], rank_local=False)
+assert run_twice(ctx, acc.Program(ctx, small_source("twice"), cache=cache).build())
+assert cache.flush(60)
+"""
+# ocl-icd (and Khronos's loader) read their ICD files from here: none, no platform.
+_NO_PLATFORM = {"OCL_ICD_VENDORS": "/nonexistent"}
+
+
+def _no_platform_error() -> str:
+    """pyopencl's error with ``_NO_PLATFORM`` set (skips where the loader ignores it)."""
+    r = subprocess.run([sys.executable, "-c", "import pyopencl as cl; cl.get_platforms()"],
+                       capture_output=True, text=True, env=dict(os.environ, **_NO_PLATFORM),
+                       timeout=60, check=False)
+    if "PLATFORM_NOT_FOUND_KHR" not in r.stderr:
+        pytest.skip(f"this ICD loader does not read OCL_ICD_VENDORS: {r.stderr[-200:]!r}")
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_bake_and_export_bake_without_an_opencl_platform(cache_dir: Path, tmp_path: Path) -> None:
+    assert "LogicError" in _no_platform_error()
+    run_child(_BUILD, str(cache_dir))
+    [kcache] = [e.key for e in Store(cache_dir, rank_local=False).entries()]
+    r = cli("bake", "--dir", str(cache_dir), env=_NO_PLATFORM)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "baked 0, skipped 1, failed 0" in r.stdout and "no OpenCL platform here: " in r.stdout, r.stdout
+    assert "PLATFORM_NOT_FOUND_KHR" in r.stdout and max(map(len, r.stdout.splitlines())) <= 80, r.stdout
+    data = _json(cli("bake", "--dir", str(cache_dir), "--json", env=_NO_PLATFORM))
+    [(why, n)] = data["skipped"].items()
+    assert n == 1 and why.startswith("no OpenCL platform here: ") and "PLATFORM_NOT_FOUND_KHR" in why, why
+    # The archive is written, with the entry that stays unbaked; the bake says why.
+    archive = tmp_path / "a.tar"
+    r = cli("export", "--dir", str(cache_dir), "--bake", str(archive), env=_NO_PLATFORM)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "exported 1 entries" in r.stdout and "no OpenCL platform here: " in r.stdout, r.stdout
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        assert [Path(n).name for n in tar.getnames() if n.endswith(".acl")] == [f"{kcache}.acl"]
+    data = _json(cli("export", "--dir", str(cache_dir), "--bake", "--json", str(archive), env=_NO_PLATFORM))
+    assert data["entries"] == 1 and data["bake"]["baked"] == 0 and sum(data["bake"]["skipped"].values()) == 1
+
+# }}}

@@ -22,6 +22,7 @@ __all__ = [
     "built_from_binaries",
     "built_from_source",
     "context_of",
+    "include_path",
     "kernel_names",
     "no_cache_requested",
     "process_options",
@@ -49,6 +50,13 @@ def unbuilt_source(prg: cl.Program) -> str | bytes | None:
 
 def context_of(prg: cl.Program) -> cl.Context:
     return prg._context  # type: ignore[no-any-return]
+
+
+def include_path(options: bytes) -> list[str]:
+    """pyopencl's include path (``.``, then each ``-I`` folder) of options as
+    :func:`process_options` gave them to the driver: split at spaces, so an option that
+    held one (a folder name) reads otherwise, and a check that compares it finds no match."""
+    return list(cl._find_include_path(options.decode("utf-8", "surrogateescape").split()))
 
 
 def process_options(prg: cl.Program, options: str | Sequence[str] | None) -> tuple[bytes, list[str]]:

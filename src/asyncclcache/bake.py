@@ -82,13 +82,9 @@ class BakeResult:
 
 def to_bake(store: Store, device: str | None = None) -> tuple[list[str], dict[str, int]]:
     """The keys of ``store``'s ``kcache`` entries that a bake here would make a binary of,
-    and why the others are left (reason -> count). Reads metadata only. Thread-safe."""
-    import pyopencl as cl
-
-    from .drivers import is_pocl_cpu
-    from .keys import device_identity
-
-    here = [device_identity(d) for p in cl.get_platforms() for d in p.get_devices() if is_pocl_cpu(d)]
+    and why the others are left (reason -> count). Reads metadata only; asks OpenCL for
+    its devices only where an entry could be baked. Thread-safe."""
+    here: list[dict[str, str]] | str | None = None  # str: why there are none
     keys: list[str] = []
     left: dict[str, int] = {}
 
@@ -101,6 +97,11 @@ def to_bake(store: Store, device: str | None = None) -> tuple[list[str], dict[st
             continue  # damaged (verify says), or not pocl's folder (NVIDIA's, Mesa's items)
         if meta.source is None:
             leave("no source (written by an earlier release)")
+            continue
+        if here is None:
+            here = _pocl_devices()
+        if isinstance(here, str):
+            leave(here)
         elif not meta.devices or not all(d in here for d in meta.devices):
             leave("its device is not here")
         elif device is not None and not meta.for_device(device):
@@ -110,6 +111,28 @@ def to_bake(store: Store, device: str | None = None) -> tuple[list[str], dict[st
         else:
             keys.append(e.key)
     return keys, left
+
+
+def _pocl_devices() -> list[dict[str, str]] | str:
+    """The identities of the pocl CPU devices here, or why OpenCL has none (a login node
+    without a driver: the ICD loader finds no platform)."""
+    import pyopencl as cl
+
+    from .drivers import is_pocl_cpu
+    from .keys import device_identity
+
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as e:
+        return f"no OpenCL platform here: {e}"
+    here = []
+    for p in platforms:
+        try:
+            devices = p.get_devices()
+        except cl.Error:
+            continue  # a platform without devices (Clover, rusticl not enabled)
+        here += [device_identity(d) for d in devices if is_pocl_cpu(d)]
+    return here
 
 
 def _baked_fresh(store: Store, key: str, meta: EntryMeta) -> bool:
@@ -133,6 +156,9 @@ class _Worker:
 
         self.pocl_dir = pocl_dir
         self._devices = Devices()
+        # Each build runs in its entry's folder: a relative import path ("" of a parent
+        # run as ``python -c``) must keep naming this process's own, never that one.
+        sys.path[:] = _pinned(sys.path)
 
     def bake(self, store: Store, key: str) -> tuple[str, str]:
         """``(status, why)``: ``baked``, ``skipped`` or ``failed``."""
@@ -145,21 +171,24 @@ class _Worker:
             ctx, devices = self._devices.find(entry.meta.devices)
         except LookupError:
             return "skipped", "its device is not here"
-        why = self._same_key(entry, devices)
-        if why is not None:
-            return "skipped", why
         try:
-            binaries = self._build(entry, ctx, devices)
-        except _NotUsed as e:
+            with _built_in(entry.meta.cwd):  # the store's paths are used outside only
+                why = self._same_key(entry, devices)
+                if why is not None:
+                    return "skipped", why
+                binaries = self._build(entry, ctx, devices)
+        except _Skipped as e:
             return "skipped", str(e)
         except Exception as e:  # noqa: BLE001 - a bad entry is one failure, not the bake's
             return "failed", f"{type(e).__name__}: {e}"
         return self._publish(store, entry, binaries)
 
     def _same_key(self, entry: Entry, devices: Sequence[Any]) -> str | None:
-        """Why this process would not compute ``entry``'s key (a header changed, another
-        pyopencl or ``POCL_*`` setting), or ``None``."""
-        from .keys import key_of
+        """Why this process, in the folder it builds in, would not compute ``entry``'s key
+        (a header changed or resolves to another file, another pyopencl or ``POCL_*``
+        setting), or ``None``."""
+        from . import _pyopencl, pocl_env
+        from .keys import UncertainIncludes, find_include_deps, key_of
 
         source = entry.meta.source.encode("utf-8", "surrogateescape")  # type: ignore[union-attr]
         if hashlib.sha256(source).hexdigest() != entry.meta.source_sha256:
@@ -173,6 +202,16 @@ class _Worker:
             if now != digest:
                 return "a header it includes changed"
         options = entry.meta.options.encode("utf-8", "surrogateescape")
+        # The key holds real paths: the files this build's compiler finds, looking where the
+        # job's did (this pocl's source folder, then "." and the -I folders), must be those.
+        folder = pocl_env.source_dir()
+        try:
+            deps = find_include_deps(source, _pyopencl.include_path(options),
+                                     source_dir=None if folder is None else os.path.realpath(folder))
+        except UncertainIncludes:
+            return "built in its folder, a header it includes is not found for certain"
+        if [[d.path, d.sha256] for d in deps] != entry.meta.includes:
+            return "built in its folder, a header it includes is another file"
         if key_of(devices, options, entry.meta.source_sha256, entry.meta.includes, kind="kcache") != entry.key:
             return "built here it would have another key (pyopencl version or POCL_* settings)"
         return None
@@ -219,8 +258,49 @@ class _Worker:
         return "baked", ""
 
 
-class _NotUsed(Exception):
+def _pinned(path: list[Any]) -> list[Any]:
+    """``path`` with its relative folders made absolute from here (dropped where this
+    folder is gone: they name nothing now, and must not name another one later)."""
+    try:
+        here = os.getcwd()
+    except OSError:
+        return [p for p in path if not isinstance(p, str) or os.path.isabs(p)]
+    return [p if not isinstance(p, str) or os.path.isabs(p) else os.path.join(here, p) for p in path]
+
+
+class _Skipped(Exception):
+    """An entry left unbaked; the message says why."""
+
+
+class _NotUsed(_Skipped):
     """The rebuild was not the entry's program (pocl did not use its folder)."""
+
+
+@contextlib.contextmanager
+def _built_in(folder: str | None) -> Iterator[None]:
+    """In ``folder``, the working directory of the entry's build (absolute: the entry's
+    check), and back: its relative ``-I`` folders and quoted includes name files there.
+    ``None`` (unknown, an earlier release's entry): here, where the key check allows it."""
+    if folder is None:
+        yield
+        return
+    try:
+        back: str | None = os.getcwd()
+    except OSError:
+        back = None  # this one is gone: the entries that name theirs are still baked
+    try:
+        os.chdir(folder)
+    except FileNotFoundError:
+        raise _Skipped("the folder it was built in is gone") from None
+    except NotADirectoryError:
+        raise _Skipped("the folder it was built in is not a folder") from None
+    except OSError as e:
+        raise _Skipped(f"the folder it was built in cannot be entered: {e.strerror or e}") from None
+    try:
+        yield
+    finally:
+        if back is not None:
+            os.chdir(back)
 
 
 _worker: _Worker | None = None
@@ -283,7 +363,8 @@ def bake(
         keys, left = to_bake(s, device)
         for why, n in left.items():
             result.skipped[why] = result.skipped.get(why, 0) + n
-        todo += [((str(s.base), s.rank_local, s.rank), k) for k in keys]
+        # Absolute: a worker enters each entry's folder for its build.
+        todo += [((os.path.abspath(s.base), s.rank_local, s.rank), k) for k in keys]
     total = len(todo) + result.done
     if todo:
         _run(todo, max(1, min(jobs, len(todo))), result, progress=lambda r: progress and progress(r, total),

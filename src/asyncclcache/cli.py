@@ -421,29 +421,41 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UsageError(f"no directory for rank {args.rank} under {_base(args)}")
     elif args.shared:
         stores = [s for s in stores if not s.rank_local]
+    baked: tuple[dict[str, Any], list[str]] | None = None
     if args.bake:
-        _bake(args, stores)
+        baked = _bake_report(_bake(args, stores))
     try:
         r = export_archive(stores, args.file, device=args.device)
     except ArchiveError as e:
         raise UsageError(str(e)) from None
-    human = [f"exported {r.entries} entries ({_human(r.bytes)}) to {args.file}"]
+    human = [*(baked[1] if baked else []), f"exported {r.entries} entries ({_human(r.bytes)}) to {args.file}"]
     if r.damaged:
         human.append(f"left out {len(r.damaged)} damaged entries (asyncclcache verify --fix removes them)")
         human += [f"  damaged  {d}" for d in r.damaged]
-    _emit(args, {"file": str(args.file), "entries": r.entries, "bytes": r.bytes, "damaged": r.damaged}, human)
+    data = {"file": str(args.file), "entries": r.entries, "bytes": r.bytes, "damaged": r.damaged}
+    if baked:
+        data["bake"] = baked[0]
+    _emit(args, data, human)
     return EXIT_OK
 
 
 def cmd_bake(args: argparse.Namespace) -> int:
-    result = _bake(args, _stores(args))
+    # Entries left unbaked (no OpenCL platform here, say) are counted with the reason, not an error.
+    _emit(args, *_bake_report(_bake(args, _stores(args))))
+    return EXIT_OK
+
+
+def _bake_report(result: Any) -> tuple[dict[str, Any], list[str]]:
+    """The JSON and the lines of a bake's :class:`~.bake.BakeResult`."""
     data = {"baked": result.baked, "skipped": result.skipped, "failed": result.failed,
             "seconds": round(result.seconds, 3)}
     human = [f"asyncclcache bake: {result.line()}"]
-    human += [f"  skipped {n:4d}  {why}" for why, n in sorted(result.skipped.items())]
-    human += [f"  failed  {n:4d}  {why}" for why, n in sorted(result.failed.items())]
-    _emit(args, data, human)
-    return EXIT_OK
+    for what, reasons in (("skipped", result.skipped), ("failed ", result.failed)):
+        for why, n in sorted(reasons.items()):
+            # Wrapped, not cut at 80 columns: the end of a reason is often the point.
+            lines = textwrap.wrap(_printable(why), WIDTH - 16) or [""]
+            human += [f"  {what} {n:4d}  {lines[0]}", *(f"{'':16s}{line}" for line in lines[1:])]
+    return data, human
 
 
 def _bake(args: argparse.Namespace, stores: list[Any]) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 from collections.abc import Iterator, Mapping
@@ -98,6 +99,7 @@ _CHECKS: dict[str, Any] = {
     "source": lambda x: x is None or _str(x),
     "baked_from": lambda x: x is None or _str(x),
     "baked_files": lambda x: x is None or _str_list(x),
+    "cwd": lambda x: x is None or _str(x),
 }
 # A name in a driver's cache: never ``.``/``..`` nor hidden (our temp files start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
@@ -151,6 +153,11 @@ class EntryMeta(Mapping[str, Any]):
     #: baked from, and that entry's files it packs (a hit checks they are all there).
     baked_from: str | None = None
     baked_files: list[str] | None = None
+    #: ``kcache``: the working directory of the build (absolute), where its relative ``-I``
+    #: folders and quoted includes resolved; a bake builds there (``None``: unknown, or an
+    #: entry of an earlier release). Optional: readers of this format without it keep it
+    #: in ``extra``, so no new format version.
+    cwd: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,6 +170,9 @@ class EntryMeta(Mapping[str, Any]):
             bounds = _RANGES.get(name)
             if bounds is not None and not bounds[0] <= value <= bounds[1]:
                 raise EntryFormatError(f"bad metadata: {name!r} is {value!r:.30}, not {bounds[2]}")
+        # A bake enters it: never a folder relative to wherever the bake runs.
+        if self.cwd is not None and not (os.path.isabs(self.cwd) and "\0" not in self.cwd):
+            raise EntryFormatError("bad metadata: 'cwd' is not an absolute path")
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> EntryMeta:

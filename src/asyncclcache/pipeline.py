@@ -405,6 +405,8 @@ def _meta(job: Job, purpose: Purpose, snap: Snapshot) -> EntryMeta:
         kernels=list(job.kernels),
         # What a bake builds again (asyncclcache bake): only the driver's own cache needs it.
         source=job.source.decode("utf-8", "surrogateescape") if job.driver.bakes else None,
+        # Where it builds again: the folder its relative -I folders and quoted includes named.
+        cwd=job.cwd if job.driver.bakes else None,
         # What a hit saves: the source build plus what the driver compiled on its own (the
         # helper's warm-up measures one code generation; the launch's costs about the same).
         compile_seconds=job.build_seconds + snap.compile_seconds,
