@@ -6,6 +6,7 @@ Every run is a child process with its own ``POCL_CACHE_DIR`` (a new node), as on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _procs import SAFE_PATH, children, gone, plant, with_args
 from asyncclcache.keys import baked_key
 from asyncclcache.store import Store
 from conftest import child_json, run_child
@@ -160,6 +162,7 @@ import pyopencl as cl, asyncclcache as acc
 from kernels import small_source, run_twice
 from _pocl import pocl_context
 from asyncclcache.store import Store
+from _procs import gone as ended
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], rank_local=False)
 n, wait = int(sys.argv[2]), sys.argv[3] == "wait"
@@ -173,8 +176,10 @@ while wait and baked() < n and time.monotonic() < deadline:
     time.sleep(0.05)  # a core is idle: the baker's
 proc = cache._baker._proc  # the helper, to see that close() leaves none behind
 t = time.perf_counter(); cache.close(); close_s = time.perf_counter() - t
-gone = proc is None or proc.poll() is not None
-print(json.dumps({"baked": baked(), "close_s": close_s, "gone": gone, "sent": cache._baker.sent}))
+# Killed: gone once its teardown is done (close does not wait for that).
+gone = proc is None or ended([proc.pid], 10)
+print(json.dumps({"baked": baked(), "close_s": close_s, "gone": gone, "sent": cache._baker.sent,
+                  "not_queued": cache._baker.not_queued}))
 """
 
 
@@ -193,8 +198,9 @@ def test_idle_baking_is_never_waited_for(cache_dir: Path, tmp_path: Path) -> Non
     started = time.monotonic()
     out = child_json(run_child(IDLE, str(cache_dir), "3", "now", pocl_cache=tmp_path / "p",
                                env={"ASYNCCLCACHE_BAKE": "idle"}))
-    # close() killed the helper wherever it was; what it baked is whole, the rest stays kcache.
-    assert out["sent"] == 3 and out["gone"] and out["close_s"] < 2.0, out
+    # close() killed the helper wherever it was (or before it started: those keys were not
+    # queued); what it baked is whole, the rest stays kcache.
+    assert out["sent"] + out["not_queued"] == 3 and out["gone"] and out["close_s"] < 2.0, out
     assert time.monotonic() - started < 120
     assert 0 <= out["baked"] <= 3
     assert _baked(cache_dir).keys() <= {e for e in _kcache_keys(cache_dir)}
@@ -339,5 +345,150 @@ def test_an_entry_whose_folder_is_not_an_absolute_path_is_damaged(cwd: str) -> N
     assert EntryMeta.from_json({}).cwd is None  # an entry of an earlier release
     with pytest.raises(EntryFormatError, match="'cwd' is not an absolute path"):
         EntryMeta.from_json({"cwd": cwd})
+
+# }}}
+
+
+# {{{ issue 26: the idle baker and bake's workers are helpers that never block, never outlive
+# their job, never leak a folder, and never import from the working folder (cases 3-6)
+
+# A child: an IdleBaker fed 5000 keys from a thread, whose helper never runs: the gate never
+# finds a core idle enough, or (probes "not here") it never starts. Both waits are bounded.
+FEED = r"""
+import json, os, sys, threading, time
+import asyncclcache.bake as bake
+from asyncclcache.store import Store
+bake.IDLE_CORES = 2.0  # never idle enough: it stays stopped
+baker = bake.IdleBaker(Store(sys.argv[1], rank_local=False))
+def feed():
+    for i in range(5000):
+        baker.add(f"{i:064x}")
+t0 = time.perf_counter()
+t = threading.Thread(target=feed, daemon=True); t.start(); t.join(30)
+fed_s = time.perf_counter() - t0
+c = threading.Thread(target=baker.close, daemon=True); c.start(); c.join(30)
+print(json.dumps({"fed": not t.is_alive(), "fed_s": fed_s, "closed": not c.is_alive(), "sent": baker.sent,
+                  "not_queued": getattr(baker, "not_queued", None)}), flush=True)
+os._exit(0)  # a hung thread must not hang the test
+"""
+
+
+#: A first line for IDLE: the gate lets the baker run whenever it is asked (at SCHED_IDLE
+#: still), so that a test of what it does is not a test of how busy the machine is.
+EAGER = "import asyncclcache.bake; asyncclcache.bake.IDLE_CORES = 0.0\n"
+
+
+def _kill_left(*texts: str) -> None:
+    for pid in with_args(*texts):  # what a failing run leaves (a stopped baker)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("os_facilities", ["stopped", "not here"])
+def test_feeding_a_baker_that_does_not_run_never_blocks(cache_dir: Path, os_facilities: str) -> None:
+    # Case 5: a blocking write under the lock hung the writer after 1008 keys, and close() too.
+    env = {"ASYNCCLCACHE_TEST_NO_OS_FACILITIES": "1"} if os_facilities == "not here" else None
+    try:
+        out = child_json(run_child(FEED, str(cache_dir), env=env, timeout=120))
+        assert gone(with_args(str(cache_dir)), 5.0), "its helper is left"
+    finally:
+        _kill_left(str(cache_dir))
+    assert out["fed"] and out["closed"] and out["fed_s"] < 10, out
+    assert out["sent"] + out["not_queued"] == 5000, out
+    # Never read from: at most a pipe's worth went (64 KiB of 65-byte lines), the rest is counted.
+    assert out["sent"] <= 65536 // 65 and (os_facilities == "stopped" or out["sent"] == 0), out
+
+
+# A child: idle baking that never finds a core idle; once its baker holds a key and is
+# stopped, prints the baker's pid and kills itself (a job killed on a busy node).
+KILLED_JOB = r"""
+import os, signal, sys, time
+import pyopencl as cl, asyncclcache as acc, asyncclcache.bake as bake
+from kernels import small_source
+from _pocl import pocl_context
+from _procs import state
+bake.IDLE_CORES = 2.0
+ctx = pocl_context()
+cache = acc.Cache(sys.argv[1], rank_local=False)
+acc.Program(ctx, small_source("twice0", salt="killed"), cache=cache).build()
+cache.flush(60)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and (cache._baker._proc is None or state(cache._baker._proc.pid) != "T"):
+    time.sleep(0.01)
+print("BAKER", cache._baker.sent, cache._baker._proc.pid, state(cache._baker._proc.pid), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_stopped_idle_baker_dies_with_its_killed_job(cache_dir: Path) -> None:
+    # Case 4: it was stopped before it could set its death signal, and stayed stopped for good.
+    proc = run_child(KILLED_JOB, str(cache_dir), env={"ASYNCCLCACHE_BAKE": "idle"}, check=False)
+    assert proc.returncode == -signal.SIGKILL and "BAKER" in proc.stdout, proc.stderr
+    _, sent, pid, st = proc.stdout.split()
+    try:
+        assert (sent, st) == ("1", "T")
+        assert gone([int(pid)], 5.0), f"the idle baker {pid} outlived its job"
+    finally:
+        _kill_left(str(cache_dir))
+
+
+def test_no_bake_folder_of_ours_stays(cache_dir: Path, tmp_path: Path) -> None:
+    # Case 6: the helpers' pocl caches ($TMPDIR/acc-bake-*) leaked, as they are killed.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = child_json(run_child(EAGER + IDLE, str(cache_dir), "2", "wait", pocl_cache=tmp_path / "p",
+                               env={"ASYNCCLCACHE_BAKE": "idle", "TMPDIR": str(tmp)}))
+    assert out["baked"] == 2 and out["gone"], out
+    assert list(tmp.glob("acc-bake-*")) == []  # its parent removed it
+    # A bake killed mid-entry: its workers die with it; the next bake removes their folder.
+    other = tmp_path / "acc2"
+    _run(other, tmp_path / "cold", n=4)
+    env = dict(os.environ, TMPDIR=str(tmp))
+    proc = subprocess.Popen([sys.executable, "-m", "asyncclcache", "bake", "--dir", str(other), "--jobs", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.is_file() for p in tmp.glob("acc-bake-*/**/*")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        workers = children(proc.pid)
+        assert workers, "no worker ran"
+        proc.kill()
+        proc.communicate(timeout=60)
+        assert gone(workers, 10.0), "a worker outlived the killed bake"
+    finally:
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert list(tmp.glob("acc-bake-*"))  # left by the killed bake
+    again = subprocess.run([sys.executable, "-m", "asyncclcache", "bake", "--dir", str(other), "--json"],
+                           capture_output=True, text=True, timeout=600, check=True, env=env)
+    assert json.loads(again.stdout)["baked"] >= 1
+    assert list(tmp.glob("acc-bake-*")) == []
+
+
+def test_the_idle_baker_and_bakes_workers_never_import_from_the_working_folder(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Case 3: ``python -c`` puts the working folder (a shared 1777 one, say) first on sys.path.
+    folder, marks = tmp_path / "shared", tmp_path / "marks"
+    plant(folder, marks)
+    monkeypatch.chdir(folder)
+    try:
+        out = child_json(run_child(SAFE_PATH + EAGER + IDLE, str(cache_dir), "1", "wait", pocl_cache=tmp_path / "p",
+                                   env={"ASYNCCLCACHE_BAKE": "idle"}))
+    finally:
+        _kill_left(str(cache_dir))
+    assert sorted(p.name for p in marks.iterdir()) == []
+    assert out["baked"] == 1, out
+    monkeypatch.chdir(tmp_path)
+    _run(cache_dir, tmp_path / "cold", n=3)
+    # The installed command, as a user runs it there (``python -m`` would import from there itself).
+    command = Path(sys.executable).parent / "asyncclcache"
+    result = subprocess.run([str(command), "bake", "--dir", str(cache_dir), "--json", "--jobs", "2"],
+                            capture_output=True, text=True, timeout=600, check=False, cwd=folder)
+    assert sorted(p.name for p in marks.iterdir()) == []
+    data = json.loads(result.stdout)
+    assert data["baked"] >= 2 and not data["failed"], (data, result.stderr)
 
 # }}}

@@ -289,3 +289,18 @@ def test_a_header_changed_before_the_helpers_rebuild_is_not_stored_under_the_old
     assert [b["value"] for b in warm["builds"]] == [1.0, 2.0, 3.0], warm
     assert [b["key"] for b in warm["builds"]] == [b["key"] for b in cold["builds"]]
     assert warm["hits"] == cold["writes"], (cold, warm)
+
+
+def test_the_helper_never_imports_from_the_working_folder(cache_dir, tmp_path):
+    # Issue 26, case 3: ``python -c`` put the job's working folder (a shared 1777 one, say)
+    # first on the helper's sys.path: its signal.py, hashlib.py, ... ran in the helper.
+    from _procs import SAFE_PATH, plant
+
+    folder, marks = tmp_path / "shared", tmp_path / "marks"
+    plant(folder, marks)
+    (folder / "params.h").write_text("#define VAL 5\n")
+    out = child_json(run_child(SAFE_PATH + BUILDS, str(cache_dir), SOURCE, "[]", str(folder),
+                               env={"POCL_KERNEL_CACHE": "0"}))
+    assert sorted(p.name for p in marks.iterdir()) == []
+    assert out["flushed"] and (out["writes"], out["errors"]) == (1, 0), out
+    assert out["builds"][0]["value"] == 5.0

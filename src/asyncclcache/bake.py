@@ -23,27 +23,29 @@ Thread- and process-safe: any number of bakes and jobs may share a directory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import queue
+import select
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _version
 from .entry import Entry, EntryMeta
 from .keys import baked_key
 from .store import Store
-
-if TYPE_CHECKING:
-    from concurrent.futures import Future, ProcessPoolExecutor
 
 __all__ = ["BakeResult", "IdleBaker", "bake", "to_bake"]
 
@@ -306,29 +308,12 @@ def _built_in(folder: str | None) -> Iterator[None]:
 _worker: _Worker | None = None
 
 
-def _init_worker(priority: str) -> None:
-    """In a new worker process, before pyopencl loads pocl: a private kernel cache (pocl
-    reads ``POCL_CACHE_DIR`` once), the priority asked for, and Ctrl-C left to the parent."""
-    import tempfile
-
+def _init_worker() -> None:
+    """In a worker process (:func:`.system.start_helper` set its priority, its death with
+    its parent and SIGINT ignored): bake with the private kernel cache that its parent made
+    and named in ``POCL_CACHE_DIR`` (pocl reads it once)."""
     global _worker
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _lower(priority)
-    pocl_dir = Path(tempfile.mkdtemp(prefix="acc-bake-"))
-    os.environ["POCL_CACHE_DIR"] = str(pocl_dir)
-    os.environ["POCL_KERNEL_CACHE"] = "1"
-    import atexit
-
-    atexit.register(shutil.rmtree, pocl_dir, True)
-    _worker = _Worker(pocl_dir)
-
-
-def _lower(priority: str) -> None:
-    with contextlib.suppress(AttributeError, OSError):
-        if priority == "idle":
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        elif priority == "nice":
-            os.nice(10)
+    _worker = _Worker(Path(os.environ["POCL_CACHE_DIR"]))
 
 
 def _bake_one(where: tuple[str, bool, int | None], key: str) -> tuple[str, str, str]:
@@ -341,6 +326,21 @@ def _bake_one(where: tuple[str, bool, int | None], key: str) -> tuple[str, str, 
     status, why = _worker.bake(store, key)
     return key, status, why
 
+
+def _worker_main() -> int:
+    """A worker of :func:`bake`: a JSON line ``[base, rank_local, rank, key]`` on stdin,
+    a JSON line ``[key, status, why]`` back on stdout, until EOF."""
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # whatever else prints goes to stderr, never among the answers
+    _init_worker()
+    for line in sys.stdin.buffer:
+        try:
+            base, rank_local, rank, key = json.loads(line)
+            answer = _bake_one((base, rank_local, rank), key)
+        except Exception as e:  # noqa: BLE001 - one failure, not the worker's
+            answer = ("", "failed", f"{type(e).__name__}: {e}")
+        out.write(json.dumps(answer).encode() + b"\n")
+    return 0
 
 # }}}
 
@@ -377,48 +377,128 @@ def _run(
     todo: list[tuple[tuple[str, bool, int | None], str]], jobs: int, result: BakeResult, *,
     progress: Callable[[BakeResult], object], priority: str,
 ) -> None:
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from . import system
 
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(priority,))
+    items = collections.deque(todo)
+    answers: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+    # The workers' pocl caches: removed below, or by the next bake or idle baker if we are killed.
+    pool = _Pool(system.private_folder("acc-bake"), priority)
+    threads = [threading.Thread(target=pool.feed, args=(i, items, answers), name=f"asyncclcache-bake-{i}",
+                                daemon=True) for i in range(jobs)]
     try:
-        pending: set[Future[tuple[str, str, str]]] = {pool.submit(_bake_one, w, k) for w, k in todo}
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for f in finished:
+        for t in threads:
+            t.start()
+        for _ in todo:  # each item gets one answer
+            while True:
                 try:
-                    _, status, why = f.result()
-                except Exception as e:  # noqa: BLE001 - a worker that died: one failure
-                    status, why = "failed", f"worker: {type(e).__name__}: {e}"
-                result.count(status, why)
-                progress(result)
+                    status, why = answers.get(timeout=0.5)  # a Ctrl-C interrupts between waits
+                    break
+                except queue.Empty:
+                    continue
+            result.count(status, why)
+            progress(result)
     except BaseException:
         result.interrupted = True
-        _kill(pool)
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        # Workers mid-compile hold nothing we need: a publish is a rename, never half a file.
+        pool.stop()
+        for t in threads:
+            t.join(5.0)
+        shutil.rmtree(pool.folder, ignore_errors=True)
 
 
-def _kill(pool: ProcessPoolExecutor) -> None:
-    # Workers mid-compile hold nothing we need: a publish is a rename, never half a file.
-    for p in list(getattr(pool, "_processes", {}).values()):
-        with contextlib.suppress(Exception):
-            p.kill()
+class _Died(Exception):
+    """A worker process ended without answering."""
 
+
+class _Pool:
+    """:func:`bake`'s worker processes, one per feeding thread (its worker dies with it).
+    Thread-safe."""
+
+    def __init__(self, folder: Path, priority: str) -> None:
+        self.folder = folder
+        self._priority = priority
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen[bytes]] = set()
+        self._stopped = False
+
+    def feed(self, n: int, items: collections.deque[tuple[tuple[str, bool, int | None], str]],
+             answers: queue.SimpleQueue[tuple[str, str]]) -> None:
+        """Thread ``n``: its worker bakes items until none is left; one answer per item."""
+        proc = None
+        try:
+            while True:
+                with self._lock:
+                    if self._stopped or not items:
+                        return
+                    where, key = items.popleft()
+                try:
+                    if proc is None:
+                        proc = self._start(n)
+                    answers.put(self._ask(proc, where, key))
+                except _Died as e:
+                    answers.put(("failed", str(e)))
+                    if proc is not None:
+                        self._end(proc)
+                    proc = None  # a fresh one for the next entry
+                except Exception as e:  # noqa: BLE001 - one failure (a worker that cannot start)
+                    answers.put(("failed", f"worker: {type(e).__name__}: {e}"))
+        finally:
+            if proc is not None:
+                self._end(proc)
+
+    def _start(self, n: int) -> subprocess.Popen[bytes]:
+        from . import system
+
+        pocl_dir = self.folder / f"w{n}"
+        pocl_dir.mkdir(exist_ok=True)
+        env = dict(os.environ, POCL_CACHE_DIR=str(pocl_dir), POCL_KERNEL_CACHE="1")
+        with self._lock:
+            if self._stopped:
+                raise _Died("stopped")
+            proc = system.start_helper("asyncclcache.bake:_worker_main", env=env, priority=self._priority,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self._procs.add(proc)
+        return proc
+
+    @staticmethod
+    def _ask(proc: subprocess.Popen[bytes], where: tuple[str, bool, int | None], key: str) -> tuple[str, str]:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps([*where, key]).encode() + b"\n")
+            proc.stdin.flush()
+            while line := proc.stdout.readline():
+                with contextlib.suppress(ValueError, TypeError):
+                    _, status, why = json.loads(line)  # else a print of its start-up (a sitecustomize)
+                    return str(status), str(why)
+        except OSError:
+            pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(1.0)
+        raise _Died(f"worker died (exit status {proc.returncode})")
+
+    def _end(self, proc: subprocess.Popen[bytes]) -> None:
+        from . import system
+
+        system.kill_helper(proc, 1.0, (proc.stdin, proc.stdout))
+        with self._lock:
+            self._procs.discard(proc)
+
+    def stop(self) -> None:
+        """Kill every worker, wherever it is; none starts after. Idempotent."""
+        from . import system
+
+        with self._lock:
+            self._stopped = True
+            procs = list(self._procs)
+        for proc in procs:
+            system.kill_helper(proc)
 
 # }}}
 
 # {{{ during a run, on idle cores
-
-
-_IDLE_BOOT = """
-import os, sys
-os.environ.pop("ASYNCCLCACHE_INSTALL", None)
-from asyncclcache.bake import _idle_main
-sys.exit(_idle_main())
-"""
 
 
 #: The idle baker runs only while at least this much of a core is idle, its own CPU counted
@@ -426,124 +506,203 @@ sys.exit(_idle_main())
 #: from two busy processes (their wall time 1.5x). Between checks it is stopped (SIGSTOP).
 IDLE_CORES = 0.9
 GATE_SECONDS = 0.1
+#: Keys held while the baker starts; beyond these they are not queued (counted).
+EARLY_KEYS = 1024
 
 
 class IdleBaker:
     """Bakes entries this process writes, in one helper process at the lowest priority
-    (``SCHED_IDLE``), which runs only while a core is idle: a thread of this process stops
-    and continues it (SIGSTOP, SIGCONT) by the idle CPU time the system reports. Never waited
-    for: :meth:`close` kills it, and what it has not baked stays ``kcache`` for a later
-    bake; it dies with this process. Started on the first key. Thread-safe."""
+    (``SCHED_IDLE``), which runs only while a core is idle: a thread of this process starts
+    it, then stops and continues it (SIGSTOP, SIGCONT) by the idle CPU time the system
+    reports. Never waited for: :meth:`close` kills it, and what it has not baked stays
+    ``kcache`` for a later bake. Where the system cannot say how idle it is, or cannot kill
+    a stopped helper when this process dies, it is not started at all. ``count(name, n)``
+    receives ``bakes_not_queued``. Started on the first key. Thread-safe."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, count: Callable[[str, int], object] | None = None) -> None:
         self._where = [str(store.base), str(int(store.rank_local)), "" if store.rank is None else str(store.rank)]
+        self._count = count
         self._lock = threading.Lock()
-        self._proc: Any = None
-        self._closed = False
+        self._state = "new"  # starting, running, off (not here, or its helper ended), closed
+        self._early: list[str] = []  # keys that came while it started
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._fd: int | None = None  # the key pipe's write end, non-blocking
+        self._dir: Path | None = None  # its pocl cache, made and removed here
         self.sent = 0
+        self.not_queued = 0  # keys it could not take (pipe full, off, closed while starting)
         self.stops = 0  # times the gate stopped the helper (a core was not idle)
 
     def add(self, key: str) -> None:
-        """Queue ``key`` (a ``kcache`` entry just written) for baking. Cheap: one pipe write."""
-        import subprocess
-
+        """Hand ``key`` (a ``kcache`` entry just written) to the baker. Never blocks: a key
+        it cannot take now (its pipe is full: it is stopped or behind; or idle baking is off
+        here) is counted as not queued, for a later ``asyncclcache bake``."""
         with self._lock:
-            if self._closed:
+            if self._state == "closed":
                 return
-            try:
-                if self._proc is None:
-                    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCCLCACHE_")}
-                    self._proc = subprocess.Popen(
-                        [sys.executable, "-c", _IDLE_BOOT, *self._where], stdin=subprocess.PIPE,
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                        start_new_session=True,  # its own group: stopped and killed whole (its linker too)
-                    )
-                    # Stopped from the start: even its start-up (Python, pyopencl, pocl) waits for
-                    # an idle core.
-                    with contextlib.suppress(OSError):
-                        os.killpg(self._proc.pid, signal.SIGSTOP)
-                    threading.Thread(target=self._gate, args=(self._proc,), name="asyncclcache-bake-gate",
-                                     daemon=True).start()
-                self._proc.stdin.write(key.encode() + b"\n")
-                self._proc.stdin.flush()
-                self.sent += 1
-            except (OSError, ValueError) as e:
-                logger.info("asyncclcache: idle baking stopped: %s", e)
-                self._closed = True
+            if self._state == "new":
+                self._state = "starting"
+                threading.Thread(target=self._gate, name="asyncclcache-bake-gate", daemon=True).start()
+            if self._state == "starting" and len(self._early) < EARLY_KEYS:
+                self._early.append(key)
+            elif self._state != "running" or not self._send(key):
+                self._drop(1)
 
-    def _gate(self, proc: Any) -> None:
-        """Runs the helper only while the system has a core idle (its own use counted idle)."""
+    def _send(self, key: str) -> bool:
+        # Under the lock; a write of 65 bytes (< PIPE_BUF) is whole or does not happen.
+        try:
+            os.write(self._fd, key.encode() + b"\n")  # type: ignore[arg-type]
+        except OSError:  # full (BlockingIOError), or the helper is gone
+            return False
+        self.sent += 1
+        return True
+
+    def _drop(self, n: int) -> None:
+        if n:
+            self.not_queued += n
+            if self._count is not None:
+                self._count("bakes_not_queued", n)
+
+    def _gate(self) -> None:
+        """The baker's thread: starts the helper (which dies with this thread), then runs it
+        only while the system has a core idle (its own use counted idle)."""
+        from . import system
+
+        if system.cpu_sample(os.getpid()) is None:
+            why = "this system does not say how idle its CPUs are"
+        elif not system.death_signal_available():
+            why = "a stopped helper could outlive this process here"
+        else:
+            why = None
+        if why is not None:
+            logger.info("asyncclcache: no idle baking (%s); `asyncclcache bake` after the job bakes", why)
+            self._end("off")
+            return
+        started = self._start() if self._state == "starting" else None
+        if started is None:
+            return
+        proc, ready = started
+        try:
+            if self._wait_ready(proc, ready):
+                self._run_gate(proc)
+        finally:
+            os.close(ready)
+            self._end("off")  # whatever ends the gate ends the baker (as its death signal would)
+
+    def _start(self) -> tuple[subprocess.Popen[bytes], int] | None:
+        from . import system
+
+        folder = None
+        try:
+            folder = system.private_folder("acc-bake")  # and what killed jobs left
+            keys_r, keys_w = os.pipe()
+            ready_r, ready_w = os.pipe()
+        except OSError as e:
+            logger.info("asyncclcache: no idle baking: %s", e)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            self._end("off")
+            return None
+        try:
+            proc = system.start_helper(
+                "asyncclcache.bake:_idle_main", self._where, priority="idle", stopped=True, ready=ready_w,
+                env=dict(os.environ, POCL_CACHE_DIR=str(folder), POCL_KERNEL_CACHE="1"),
+                stdin=keys_r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        except OSError as e:
+            logger.info("asyncclcache: no idle baking: %s", e)
+            for fd in (keys_w, ready_r):
+                os.close(fd)
+            shutil.rmtree(folder, ignore_errors=True)
+            self._end("off")
+            return None
+        finally:
+            os.close(keys_r)
+        os.set_blocking(keys_w, False)
+        with self._lock:
+            ok = self._state == "starting"
+            if ok:
+                self._proc, self._fd, self._dir, self._state = proc, keys_w, folder, "running"
+                early, self._early = self._early, []
+                for key in early:
+                    if not self._send(key):
+                        self._drop(1)
+        if not ok:  # closed while it started
+            _release(proc, keys_w, folder)
+            os.close(ready_r)
+            return None
+        return proc, ready_r
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], ready: int) -> bool:
+        # No signal before the helper has set its death with this thread: a SIGSTOP before
+        # that would let it outlive a killed job.
+        while self._state == "running" and proc.poll() is None:
+            if select.select([ready], [], [], GATE_SECONDS)[0]:
+                return os.read(ready, 1) == b"R"
+        return False
+
+    def _run_gate(self, proc: subprocess.Popen[bytes]) -> None:
+        from . import system
+
         ncpu = os.cpu_count() or 1
-        before = _cpu_sample(proc.pid)
+        before = system.cpu_sample(proc.pid)
         running = False
-        while not self._closed and proc.poll() is None and before is not None:
+        while before is not None and proc.poll() is None:
             time.sleep(GATE_SECONDS)
-            now = _cpu_sample(proc.pid)
+            now = system.cpu_sample(proc.pid)
             if now is None:
                 return
             elapsed = (now[0] - before[0]) / ncpu  # ticks of one core
             idle = (now[1] - before[1]) + (now[2] - before[2])
             before = now
             want = elapsed > 0 and idle / elapsed >= IDLE_CORES
-            if want != running:
-                with self._lock:
-                    if self._closed:
-                        return
-                    with contextlib.suppress(OSError):
-                        os.killpg(proc.pid, signal.SIGCONT if want else signal.SIGSTOP)
-                running = want
-                self.stops += not want
+            with self._lock:
+                if self._state != "running":
+                    return
+                # Every tick, not on a change only: the helper stops itself at its start, and
+                # a continue that came before that is mended at the next tick.
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGCONT if want else signal.SIGSTOP)
+            self.stops += running and not want
+            running = want
+
+    def _end(self, state: str) -> None:
+        with self._lock:
+            if self._state == "closed":
+                return  # released by close()
+            self._state = state
+            proc, fd, folder = self._proc, self._fd, self._dir
+            self._proc = self._fd = self._dir = None
+            early, self._early = self._early, []
+            self._drop(len(early))
+        _release(proc, fd, folder)
 
     def close(self) -> None:
         """Kill the helper and its children, whatever they are doing (its publishes are
-        atomic). Idempotent."""
-        with self._lock:
-            self._closed = True
-            proc, self._proc = self._proc, None
-        if proc is not None:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)  # stopped or not
-            # Reaped if it is gone at once; the teardown of a compiler's memory is not
-            # waited for at exit (init reaps it after this process).
-            with contextlib.suppress(Exception):
-                proc.wait(0.02)
+        atomic), and remove its pocl cache. Never waits on the helper. Idempotent."""
+        self._end("closed")
 
 
-def _cpu_sample(pid: int) -> tuple[int, int, int] | None:
-    """``(all CPU ticks, idle ticks, ticks of pid and its children)`` now (``/proc``)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-        own = _ticks(pid)
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/children") as f:
-            own += sum(_ticks(int(c)) for c in f.read().split())
-    except (OSError, ValueError, IndexError):
-        return None
-    return sum(fields), fields[3] + fields[4], own
+def _release(proc: subprocess.Popen[bytes] | None, fd: int | None, folder: Path | None) -> None:
+    from . import system
 
-
-def _ticks(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return sum(int(x) for x in rest[11:15])  # utime, stime, cutime, cstime
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    if proc is not None:
+        # Reaped if it is gone at once; the teardown of a compiler's memory is not waited for
+        # (init reaps it after this process).
+        system.kill_helper(proc, 0.02)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)  # a file it still writes: the next sweep's
 
 
 def _idle_main() -> int:
-    """The idle baker's loop: one key a line on stdin, until EOF or the parent goes."""
-    parent = os.getppid()
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the job
-    if os.getppid() != parent:
-        return 0
+    """The idle baker (started by :class:`IdleBaker`): one key a line on stdin, until EOF
+    or the parent goes."""
     base, rank_local, rank = sys.argv[1:4]
-    _init_worker("idle")
+    _init_worker()
     store = Store(base, rank_local=rank_local == "1", rank=int(rank) if rank else None, create=False)
-    for line in _lines(sys.stdin.buffer, parent):
+    for line in _lines(sys.stdin.buffer, os.getppid()):
         key = line.decode(errors="replace").strip()
         if len(key) == 64 and store.writable and _worker is not None:
             try:

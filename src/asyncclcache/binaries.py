@@ -2,8 +2,9 @@
 
 pyopencl's ``get_info(BINARIES)`` holds the GIL for the whole call, and on pocl
 that call compiles (docs/design.md F1, F2). A ctypes call releases the GIL and returns
-the same bytes. The OpenCL library used is the one pyopencl itself loaded, found
-in ``/proc/self/maps``; any ICD loader would do, as calls dispatch on the object.
+the same bytes. The OpenCL library used is the one pyopencl itself loaded, where the
+system says which (:func:`.system.loaded_library`), else the one ``ctypes`` finds; any
+ICD loader would do, as calls dispatch on the object.
 """
 
 from __future__ import annotations
@@ -38,24 +39,18 @@ class BinaryQueryError(RuntimeError):
 
 
 def _find_loaded_opencl() -> str | None:
-    try:
-        import pyopencl._cl  # noqa: F401 - make sure pyopencl's loader is mapped
+    import pyopencl._cl  # noqa: F401 - make sure pyopencl's loader is mapped
 
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1]
-                name = path.rsplit("/", 1)[-1]
-                if name.startswith("libOpenCL") and ".so" in name:
-                    return path
-    except OSError:
-        pass
-    return None
+    from .system import loaded_library
+
+    return loaded_library("libOpenCL")
 
 
 def _opencl() -> ctypes.CDLL:
     global _lib
     with _lib_lock:
         if _lib is None:
+            # Where the system does not say what is loaded (no /proc): the loader it would find.
             path = _find_loaded_opencl() or ctypes.util.find_library("OpenCL") or "libOpenCL.so.1"
             lib = ctypes.CDLL(path)
             fn = lib.clGetProgramInfo

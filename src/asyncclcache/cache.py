@@ -231,7 +231,7 @@ class Cache:
         if self._bake_idle and self.store.writable:
             from .bake import IdleBaker  # off the import path of a warm start
 
-            self._baker = IdleBaker(self.store)
+            self._baker = IdleBaker(self.store, self._counters.add)
         self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
                                   on_written=self._written)
 

@@ -45,6 +45,7 @@ class Stats:
     rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
     baked_hits: int = 0  # hits served by a baked binary (asyncclcache bake)
     bakes_dropped: int = 0  # baked binaries not used at a hit (stale or refused), dropped
+    bakes_not_queued: int = 0  # entries the idle baker could not take (busy, or off here): bake later
     unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
     uncacheable: int = 0  # builds not cached: an #include that cannot be resolved for certain
     incomplete_hits: int = 0  # driver caches: hits after which the driver wrote files anyway
@@ -67,8 +68,9 @@ class Stats:
         )
         extra = [
             f"{getattr(self, name)} {name.replace('_', ' ')}"
-            for name in ("baked_hits", "bakes_dropped", "warmups", "refreshes", "skipped", "rejected",
-                         "uncacheable", "unidentified", "incomplete_hits", "left_out", "write_errors", "errors")
+            for name in ("baked_hits", "bakes_dropped", "bakes_not_queued", "warmups", "refreshes", "skipped",
+                         "rejected", "uncacheable", "unidentified", "incomplete_hits", "left_out", "write_errors",
+                         "errors")
             if getattr(self, name)
         ]
         return text + (f" ({', '.join(extra)})" if extra else "")

@@ -23,14 +23,13 @@ import os
 import queue
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from .. import fsclock
+from .. import fsclock, system
 from ..fileio import CLOEXEC, NONBLOCK
 from ..keys import IncludeDep, pocl_code_settings
 from . import _wire
@@ -57,19 +56,9 @@ HELLO_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 1800.0
 
 
-# Lower the priority before anything is imported: starting Python and pyopencl is CPU
-# work too, and with one rank per core no core is idle for it. Ctrl-C is the program's
-# (the helper has its own session too): the parent decides when the helper goes.
-_HELPER_BOOT = """
-import os, signal, sys
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-try:
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-except (AttributeError, OSError):
-    pass
-from asyncclcache.drivers.pocl_helper import main
-sys.exit(main())
-"""
+#: The helper's entry point (:func:`.system.start_helper` lowers its priority before
+#: anything is imported: starting Python and pyopencl is CPU work too).
+_HELPER_MAIN = "asyncclcache.drivers.pocl_helper:main"
 
 
 class HelperError(RuntimeError):
@@ -144,17 +133,10 @@ class HelperDriver(Driver):
         req_r, req_w = os.pipe()
         ans_r, ans_w = os.pipe()
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _HELPER_BOOT, str(req_r), str(ans_w)],
-                stdin=subprocess.DEVNULL,
-                # The job's POCL_* settings: pocl computes the same hash, compiles the same code.
-                env=_helper_env(pocl),
-                close_fds=True,
-                pass_fds=(req_r, ans_w),
-                # Out of the terminal's process group: a Ctrl-C is for the program only (the
-                # helper's parent watch still ends it with us).
-                start_new_session=True,
-            )
+            # The job's POCL_* settings: pocl computes the same hash, compiles the same code.
+            # A session of its own: a Ctrl-C is for the program only; it still dies with us.
+            proc = system.start_helper(_HELPER_MAIN, [str(req_r), str(ans_w)], env=_helper_env(pocl),
+                                       pass_fds=(req_r, ans_w))
         finally:
             os.close(req_r)
             os.close(ans_w)

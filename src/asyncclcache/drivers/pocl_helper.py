@@ -1,5 +1,6 @@
-"""The helper process, started by :class:`~.pocl.HelperDriver` as ``python -c`` (its
-``_HELPER_BOOT``, which calls :func:`main`) with the fds of its two pipes in argv.
+"""The helper process, started by :class:`~.pocl.HelperDriver` through
+:func:`asyncclcache.system.start_helper`, which calls :func:`main` with the fds of its
+two pipes in argv.
 
 For each request it builds the given source and options on the given devices, in
 a fresh program object, in the caller's working directory (the request's ``cwd``),
@@ -9,7 +10,8 @@ later one packs every variant the main process has compiled since (the snapshot,
 F11, F14). Its environment holds the ``POCL_*`` settings of the jobs it serves
 (the driver starts another helper for other settings). It runs at the lowest CPU
 priority, in a session of its own with SIGINT ignored, and exits at EOF on its
-request pipe or when its parent is gone. One request at a time, one thread.
+request pipe or when its parent is gone (:mod:`asyncclcache.system`). One request at a
+time, one thread.
 """
 
 from __future__ import annotations
@@ -17,33 +19,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
-
-
-def _lower_priority() -> str:
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        pass
-    else:
-        return "SCHED_IDLE"
-    try:
-        os.nice(19)
-    except OSError:
-        return "normal"
-    return "nice 19"
-
-
-def _watch_parent(parent: int) -> None:
-    # The request pipe's EOF covers a clean exit; this covers a parent killed mid-compile.
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent:
-            os._exit(0)
 
 
 class Devices:
@@ -96,13 +75,16 @@ def main() -> int:
     inp = os.fdopen(int(sys.argv[1]), "rb")
     out = os.fdopen(int(sys.argv[2]), "wb")
     os.dup2(2, 1)
-    # Requests move the working directory: a relative import path ("" for ``-c``) must
-    # keep naming the folder it named at start-up, never the caller's.
-    sys.path[:] = [os.path.abspath(p) for p in sys.path]
-    priority = _lower_priority()
+    # Its start-up (system.start_helper) lowered its priority, set its death with the
+    # parent (the request pipe's EOF is a clean exit) and left no relative import path:
+    # requests move the working directory, and the caller's folder is never imported from.
+    from asyncclcache import system
+
+    if system.started is None:
+        raise SystemExit("start the helper with asyncclcache.system.start_helper")
+    priority = system.started.priority
     # The main process already showed the user its build's warnings.
     warnings.simplefilter("ignore")
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
     from asyncclcache import _pyopencl
     from asyncclcache.binaries import program_binaries

@@ -1,0 +1,360 @@
+"""The operating system's facilities that the helper processes need, in one place.
+
+Each sits behind a probe of what is there (never ``sys.platform``) and has a fallback:
+
+- the lowest CPU priority: ``SCHED_IDLE``, else nice 19, else none (:func:`lower_priority`);
+- death with the parent: ``prctl(PR_SET_PDEATHSIG)``, else a thread that polls
+  ``getppid`` (:func:`die_with_parent`, :func:`death_signal_available`);
+- idle-time sampling: ``/proc/stat`` and a process's own ticks, else ``None``
+  (:func:`cpu_sample`);
+- the shared libraries loaded here: ``/proc/self/maps``, else ``None`` (:func:`loaded_library`);
+- starting a helper process (:func:`start_helper`), and the private temporary folders
+  of helpers, removed by their owner or, once the owner is gone, by the next one
+  (:func:`private_folder`).
+
+Linux has them all; macOS has none of ``/proc``, ``SCHED_IDLE`` and ``prctl``. For tests
+only: ``ASYNCCLCACHE_TEST_NO_OS_FACILITIES=1`` makes every probe answer "not here" (nice
+stays: macOS has it), in this process and in every helper it starts.
+
+Thread-safe; :func:`die_with_parent` is for a helper's own start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "NOT_HERE_ENV",
+    "cpu_sample",
+    "death_signal_available",
+    "die_with_parent",
+    "kill_helper",
+    "loaded_library",
+    "lower_priority",
+    "private_folder",
+    "start_helper",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Test-only switch: "1" makes every probe answer "not here" (what macOS gives).
+NOT_HERE_ENV = "ASYNCCLCACHE_TEST_NO_OS_FACILITIES"
+
+PR_SET_PDEATHSIG = 1
+PR_GET_PDEATHSIG = 2
+#: How often the fallback parent watch looks.
+WATCH_SECONDS = 0.5
+
+
+def _not_here() -> bool:
+    return os.environ.get(NOT_HERE_ENV, "") == "1"
+
+
+# {{{ priority
+
+
+def lower_priority(level: str = "idle") -> str:
+    """Lower this process's CPU priority: ``idle``, the lowest there is (``SCHED_IDLE``,
+    else nice 19); ``nice``, nice 10 more; ``normal``, none. Returns what it got:
+    ``"SCHED_IDLE"``, ``"nice <n>"`` or ``"normal"``."""
+    if level == "idle" and not _not_here() and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+        except OSError:
+            pass
+        else:
+            return "SCHED_IDLE"
+    if level not in ("idle", "nice"):
+        return "normal"
+    try:
+        now = os.nice(19 if level == "idle" else 10)
+    except OSError:
+        return "normal"
+    return f"nice {now}"
+
+
+# }}}
+
+# {{{ death with the parent
+
+
+def _prctl() -> Any:
+    if _not_here():
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no such libc function (macOS)
+        return None
+
+
+def death_signal_available() -> bool:
+    """Whether a helper started here can be killed by the system when its parent goes
+    (``PR_SET_PDEATHSIG``): a stopped helper cannot watch for that itself."""
+    import ctypes
+
+    fn = _prctl()
+    if fn is None:
+        return False
+    sig = ctypes.c_int()
+    return fn(PR_GET_PDEATHSIG, ctypes.byref(sig), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+
+
+def die_with_parent(parent: int) -> str:
+    """End this process when ``parent`` ends; exit now if it already has. Returns how:
+    ``"signal"`` (SIGKILL from the system, even while stopped; with ``prctl`` the parent
+    is the *thread* that started this process) or ``"watch"`` (a daemon thread polls
+    ``getppid``: it cannot act while this process is stopped)."""
+    import ctypes
+
+    how = "watch"
+    fn = _prctl()
+    if fn is not None:
+        zero = ctypes.c_ulong(0)
+        if fn(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL), zero, zero, zero) == 0:
+            how = "signal"
+    if os.getppid() != parent:  # gone before the signal was set
+        os._exit(0)
+    if how == "watch":
+        threading.Thread(target=_watch, args=(parent,), name="asyncclcache-parent-watch", daemon=True).start()
+    return how
+
+
+def _watch(parent: int) -> None:
+    while True:
+        time.sleep(WATCH_SECONDS)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+# }}}
+
+# {{{ /proc
+
+
+def cpu_sample(pid: int) -> tuple[int, int, int] | None:
+    """``(all CPU ticks, idle ticks, ticks of pid and its children)`` now, or ``None``
+    where the system does not say (no ``/proc``)."""
+    if _not_here():
+        return None
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+        own = _ticks(pid)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/children") as f:
+            own += sum(_ticks(int(c)) for c in f.read().split())
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(fields), fields[3] + fields[4], own
+
+
+def _ticks(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return sum(int(x) for x in rest[11:15])  # utime, stime, cutime, cstime
+
+
+def loaded_library(prefix: str) -> str | None:
+    """The path of a shared library loaded in this process whose file name starts with
+    ``prefix``, or ``None`` (none, or the system does not say: no ``/proc``)."""
+    if _not_here():
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                name = path.rsplit("/", 1)[-1]
+                if name.startswith(prefix) and ".so" in name:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+# }}}
+
+# {{{ helper processes
+
+
+# ``python -c`` puts "" (the working folder, maybe a shared 1777 one) first on sys.path,
+# and Python 3.10 has no -P: drop it before importing anything not yet imported (sys is
+# built in, os came with site, which ran before "" was added).
+_BOOT = """\
+import sys
+sys.path[:] = [p for p in sys.path if p]
+import os
+sys.path[:] = [p for p in sys.path if os.path.isabs(p)]
+from asyncclcache.system import _boot
+sys.exit(_boot())
+"""
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a helper's start-up got: its priority and how it dies with its parent."""
+
+    priority: str
+    parent_death: str
+
+
+#: In a helper started by :func:`start_helper`: what its start-up got (else ``None``).
+started: Started | None = None
+
+
+def start_helper(
+    target: str, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None, priority: str = "idle",
+    stopped: bool = False, ready: int | None = None, stdin: Any = subprocess.DEVNULL,
+    stdout: Any = None, stderr: Any = None, pass_fds: Sequence[int] = (),
+) -> subprocess.Popen[bytes]:
+    """Start a helper process running ``target`` (``"module:function"``; its return value
+    is the exit status) with ``args`` as its ``sys.argv[1:]``. Thread-safe.
+
+    It never imports from a working folder: its ``sys.path`` holds no relative entry and
+    it runs in ``/``. It starts in a session of its own (a terminal's Ctrl-C is not its;
+    stop and kill its group), with SIGINT ignored, ``env`` (default: ours) without
+    ``ASYNCCLCACHE_*``, and the ``priority`` of :func:`lower_priority`. First of all it
+    dies with the thread that calls this (:func:`die_with_parent`); then it writes one
+    byte to the pipe ``ready`` (its write end; closed here) and, if ``stopped``, stops
+    itself, so that no SIGSTOP can come before its death is set. A ``stopped`` helper
+    that can only watch for its parent's death exits instead of stopping.
+    """
+    base = os.environ if env is None else env
+    child_env = {k: v for k, v in base.items() if not k.startswith("ASYNCCLCACHE_")}
+    if _not_here():
+        child_env[NOT_HERE_ENV] = "1"
+    if child_env.get("PYTHONPATH"):
+        # Relative entries named folders from our working folder: keep what they named.
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(p) for p in child_env["PYTHONPATH"].split(os.pathsep) if p
+        )
+    fds = tuple(pass_fds) + ((ready,) if ready is not None else ())
+    argv = [sys.executable, "-c", _BOOT, str(os.getpid()), priority, "1" if stopped else "0",
+            "-" if ready is None else str(ready), target, *args]
+    try:
+        return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, env=child_env, cwd=os.sep,
+                                close_fds=True, pass_fds=fds, start_new_session=True)
+    finally:
+        if ready is not None:
+            os.close(ready)
+
+
+def _boot() -> int:
+    import importlib
+
+    global started
+    parent, priority, stopped, ready, target = sys.argv[1:6]
+    del sys.argv[1:6]
+    got = lower_priority(priority)  # first: the rest of the start-up is CPU work too
+    how = die_with_parent(int(parent))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a helper goes
+    started = Started(got, how)
+    if ready != "-":
+        with contextlib.suppress(OSError):
+            os.write(int(ready), b"R")
+        os.close(int(ready))
+    if stopped == "1":
+        if how != "signal":
+            return 0  # stopped, it would outlive its parent
+        os.kill(os.getpid(), signal.SIGSTOP)
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)()  # type: ignore[no-any-return]
+
+
+def kill_helper(proc: subprocess.Popen[Any], wait: float = 0.0, streams: Sequence[IO[Any] | None] = ()) -> None:
+    """Kill a helper of :func:`start_helper` and its children (its process group), stopped
+    or not; close ``streams``; reap it if it is gone within ``wait`` seconds (a killed
+    compiler's teardown is not waited for: init reaps it after us). Idempotent."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            with contextlib.suppress(OSError):
+                proc.kill()
+    for s in streams:
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.close()
+    with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+        proc.wait(wait)
+
+
+# }}}
+
+# {{{ private temporary folders
+
+
+def private_folder(kind: str) -> Path:
+    """A new folder ``<kind>-<pid>-<host>-XXXXXXXX`` in the temporary directory, for the
+    helpers of this process; the caller removes it. First removes the folders of ``kind``
+    that this user's processes on this host left when they were killed (whose pid is gone);
+    never another user's. Thread-safe."""
+    host = _host()
+    sweep(kind, host)
+    return Path(tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}-{host}-"))
+
+
+def sweep(kind: str, host: str | None = None) -> int:
+    """Remove the folders :func:`private_folder` made whose owner is gone; how many."""
+    host = host or _host()
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    removed = 0
+    try:
+        with os.scandir(tempfile.gettempdir()) as it:
+            entries = [e for e in it if e.name.startswith(f"{kind}-")]
+    except OSError:
+        return 0
+    for e in entries:
+        pid, _, rest = e.name[len(kind) + 1:].partition("-")
+        if not pid.isdigit() or not rest.startswith(f"{host}-") or _alive(int(pid)):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid):
+            continue  # a link, a file, or someone else's
+        shutil.rmtree(e.path, ignore_errors=True)
+        removed += not os.path.lexists(e.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's
+    return True
+
+
+def _host() -> str:
+    import socket
+
+    try:
+        name = socket.gethostname()
+    except OSError:
+        name = ""
+    # A shared temporary directory (NFS) holds other hosts' pids too: theirs are left.
+    return "".join(c if c.isalnum() or c == "." else "_" for c in name)[:64] or "host"
+
+
+# }}}
