@@ -156,6 +156,11 @@ def test_entries_a_bake_here_would_key_otherwise_are_left(cache_dir: Path, tmp_p
     assert json.loads(proc.stdout)["baked"] == 1
 
 
+#: A first line for IDLE: the gate lets the baker run whenever it is asked (at SCHED_IDLE
+#: still), so that a test of what it does is not a test of how busy the machine is.
+EAGER = "import asyncclcache.bake; asyncclcache.bake.IDLE_CORES = 0.0\n"
+
+
 IDLE = r"""
 import json, os, sys, time
 import pyopencl as cl, asyncclcache as acc
@@ -184,7 +189,8 @@ print(json.dumps({"baked": baked(), "close_s": close_s, "gone": gone, "sent": ca
 
 
 def test_idle_baking_bakes_what_the_run_wrote(cache_dir: Path, tmp_path: Path) -> None:
-    out = child_json(run_child(IDLE, str(cache_dir), "3", "wait", pocl_cache=tmp_path / "p",
+    # The gate opened whatever the machine's load (a busy machine kept it shut past the wait).
+    out = child_json(run_child(EAGER + IDLE, str(cache_dir), "3", "wait", pocl_cache=tmp_path / "p",
                                env={"ASYNCCLCACHE_BAKE": "idle"}))
     assert (out["sent"], out["baked"]) == (3, 3) and out["gone"], out
     warm = _run(cache_dir, tmp_path / "warm", n=3)  # the same programs, on a new node
@@ -371,11 +377,6 @@ print(json.dumps({"fed": not t.is_alive(), "fed_s": fed_s, "closed": not c.is_al
                   "not_queued": getattr(baker, "not_queued", None)}), flush=True)
 os._exit(0)  # a hung thread must not hang the test
 """
-
-
-#: A first line for IDLE: the gate lets the baker run whenever it is asked (at SCHED_IDLE
-#: still), so that a test of what it does is not a test of how busy the machine is.
-EAGER = "import asyncclcache.bake; asyncclcache.bake.IDLE_CORES = 0.0\n"
 
 
 def _kill_left(*texts: str) -> None:

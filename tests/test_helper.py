@@ -291,6 +291,43 @@ def test_a_header_changed_before_the_helpers_rebuild_is_not_stored_under_the_old
     assert warm["hits"] == cold["writes"], (cold, warm)
 
 
+SHADOW_CHILD = r"""
+import json, os, sys
+import numpy as np, pyopencl as cl, asyncclcache as acc
+from _pocl import pocl_context
+ctx = pocl_context(); q = cl.CommandQueue(ctx)
+mode, cache_dir, folder = sys.argv[1:4]
+os.chdir(folder)
+cache = acc.Cache(cache_dir, strategy="process")
+src = '#include <params.h>\n__kernel void f(__global float *c) { c[get_global_id(0)] = VAL; }\n'
+with cache.step():
+    prg = acc.Program(ctx, src, cache=cache).build(options=["-Ia", "-Ib"])
+    c = np.zeros(4, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
+    prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
+    if mode == "shadow":  # before the helper's rebuild at the step's end: found first on -Ia
+        with open("a/params.h", "w") as f:
+            f.write("#define VAL 9\n")
+flushed = cache.flush(120)
+print(json.dumps({"value": float(c[0]), "key": prg.cache_key, "flushed": flushed, **cache.stats().as_dict()}))
+"""
+
+
+def test_a_header_found_elsewhere_at_the_helpers_rebuild_is_not_stored_under_the_old_key(cache_dir, tmp_path):
+    # The helper's rebuild looks the includes up again: a params.h that appeared earlier on
+    # the include path (-Ia before -Ib) is what it would compile, under the key of b's.
+    folder = tmp_path / "job"
+    (folder / "a").mkdir(parents=True)
+    (folder / "b").mkdir()
+    (folder / "b" / "params.h").write_text("#define VAL 2\n")
+    env = {"POCL_KERNEL_CACHE": "0"}
+    cold = child_json(run_child(SHADOW_CHILD, "shadow", str(cache_dir), str(folder), env=env))
+    assert cold["value"] == 2.0 and cold["flushed"], cold
+    assert (cold["writes"], cold["unidentified"]) == (0, 1), cold
+    (folder / "a" / "params.h").unlink()
+    warm = child_json(run_child(SHADOW_CHILD, "plain", str(cache_dir), str(folder), env=env))
+    assert warm["key"] == cold["key"] and warm["value"] == 2.0 and warm["hits"] == 0, warm
+
+
 def test_the_helper_never_imports_from_the_working_folder(cache_dir, tmp_path):
     # Issue 26, case 3: ``python -c`` put the job's working folder (a shared 1777 one, say)
     # first on the helper's sys.path: its signal.py, hashlib.py, ... ran in the helper.

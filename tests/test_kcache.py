@@ -220,6 +220,8 @@ def test_refresh_rewrites_only_when_a_folder_gained_a_variant(cl_ctx, cache_dir,
 
 def test_a_hit_that_compiles_a_new_variant_refreshes_its_entry(cache_dir):
     first = child_json(run_child(RUN, str(cache_dir), "hit-refresh"))
+    built_in = Store(cache_dir).load(first["key"]).meta.cwd
+    assert built_in is not None
     code = RUN.replace("ok = run_twice(ctx, prg, local_size=(16,))",
                        "ok = run_twice(ctx, prg, local_size=(16,)) and run_twice(ctx, prg, local_size=(32,))")
     warm = child_json(run_child(code, str(cache_dir), "hit-refresh"))
@@ -227,6 +229,7 @@ def test_a_hit_that_compiles_a_new_variant_refreshes_its_entry(cache_dir):
     assert (warm["stats"]["writes"], warm["stats"]["refreshes"]) == (1, 1)
     entry = Store(cache_dir).load(first["key"])
     assert entry is not None and any("/32-1-1" in f for f in entry.meta["files"])
+    assert entry.meta.cwd == built_in  # where a bake builds it (issue 26, case 8)
 
 
 def test_snapshot_waits_for_the_first_launch(cl_ctx, cache_dir, open_cache):

@@ -503,7 +503,8 @@ class Cache:
         if driver.watches_hits:
             meta = entry.meta
             job = Job(b.info, b.source, b.devices, list(meta.build_logs), driver,
-                      kernels=tuple(meta.kernels), created=time.time(), build_seconds=meta.compile_seconds)
+                      kernels=tuple(meta.kernels), created=time.time(), build_seconds=meta.compile_seconds,
+                      cwd=Job.caller_cwd())  # a refresh rewrites the entry: where it builds (bake)
             driver.watch(job, entry, hit)
             self._pipeline.watch(job)
 

@@ -214,6 +214,22 @@ class KeyInfo:
     deps: tuple[IncludeDep, ...]
     #: Why the includes cannot be known for certain (then nothing is cached), or ``None``.
     uncertain: str | None = None
+    #: Where the includes were looked up (absolute folders): :meth:`includes_now` repeats it.
+    include_path: tuple[str, ...] = ()
+    source_dir: str | None = None
+    source_dir_doubt: str | None = None
+
+    def includes_now(self, source: bytes) -> bool:
+        """Whether ``source``'s includes, looked up again now as they were for this key,
+        are still :attr:`deps` (the same files, with the same content): a process that
+        compiles the program later (the ``process`` helper) makes this key's code only
+        then. Thread-safe."""
+        try:
+            now = find_include_deps(source, self.include_path, source_dir=self.source_dir,
+                                    source_dir_doubt=self.source_dir_doubt)
+        except UncertainIncludes:
+            return False
+        return now == self.deps
 
 
 def device_identity(device: cl.Device) -> dict[str, str]:
@@ -681,17 +697,24 @@ def make_key(
     identities = tuple(device_identity(d) for d in devices)
     settings, uncertain = settings_of(devices)
     deps: tuple[IncludeDep, ...] = ()
+    # Absolute, the same lookup from another working directory (KeyInfo.includes_now); not
+    # normalised: the OS resolves ".." after symbolic links, as for the compiler.
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = ""  # gone: relative folders find nothing either way
+    path = tuple(os.path.join(cwd, d) for d in include_path)
+    folder = None if source_dir is None else os.path.realpath(source_dir)
     if uncertain is None:
         try:
             _check_search_options(options, os.environ.get("POCL_EXTRA_BUILD_FLAGS", "").encode())
-            folder = None if source_dir is None else os.path.realpath(source_dir)
-            deps = find_include_deps(source, include_path, source_dir=folder, source_dir_doubt=source_dir_doubt)
+            deps = find_include_deps(source, path, source_dir=folder, source_dir_doubt=source_dir_doubt)
         except UncertainIncludes as e:
             uncertain = str(e)
     source_sha = hashlib.sha256(source).hexdigest()
     key = key_of(devices, options, source_sha, [[d.path, d.sha256] for d in deps], kind=kind,
                  environment=settings)
-    return KeyInfo(key, identities, options, source_sha, deps, uncertain)
+    return KeyInfo(key, identities, options, source_sha, deps, uncertain, path, folder, source_dir_doubt)
 
 
 def key_of(

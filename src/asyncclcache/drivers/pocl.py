@@ -333,6 +333,7 @@ class HelperDriver(Driver):
             except subprocess.TimeoutExpired:
                 proc.kill()
 
+
 # {{{ the key's headers, around a rebuild in the helper
 
 #: A header changed this recently may change again within one tick of its file system's
@@ -389,6 +390,7 @@ def _inputs_as_keyed(job: Job) -> dict[str, _Stamp]:
             # A change at or after t0 has a stamp of at least clock.since(t0).
             wait = max(wait, max(st[3], st[4]) / 1e9 - clock.since(t0))
         if wait < 0:
+            _found_as_keyed(job)
             return stamps
         if attempt == 0 and wait <= SETTLE_SECONDS:
             time.sleep(wait + 0.01)
@@ -402,5 +404,13 @@ def _still_as_keyed(job: Job, before: dict[str, _Stamp]) -> None:
     for dep in job.info.deps:
         if _read_as_keyed(dep) != before.get(dep.path):
             raise Lost(f"{dep.path} changed during the helper's rebuild: not stored")
+    _found_as_keyed(job)
+
+
+def _found_as_keyed(job: Job) -> None:
+    """The includes, looked up again, are the key's files: a header that appeared earlier
+    on the include path would be what the helper compiles. Raises :class:`Lost` if not."""
+    if not job.info.includes_now(job.source):
+        raise Lost(f"the includes of {job.key[:12]} are found elsewhere now than at its build; not stored")
 
 # }}}
