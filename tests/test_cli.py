@@ -511,3 +511,64 @@ def test_bake_and_export_bake_without_an_opencl_platform(cache_dir: Path, tmp_pa
     assert data["entries"] == 1 and data["bake"]["baked"] == 0 and sum(data["bake"]["skipped"].values()) == 1
 
 # }}}
+
+
+# {{{ counters: one table (issue 27)
+
+# Not events: a level, and this process's costs (docs/cli.md says why).
+NOT_LIFETIME = {"pending", "main_thread_seconds", "background_cpu_seconds"}
+
+
+def test_every_counter_of_events_is_a_lifetime_total(cache_dir: Path) -> None:
+    from dataclasses import fields
+
+    from asyncclcache.stats import Counters, Stats
+
+    names = [f.name for f in fields(Stats)]
+    counters = Counters()
+    for name in names:
+        counters.add(name, 2)
+    counters.save_lifetime(Store(cache_dir).root)
+    life = _json(cli("stats", "--dir", str(cache_dir), "--json"))
+    assert life == {"runs": 1, **{n: 2 for n in names if n not in NOT_LIFETIME}}
+    human = cli("stats", "--dir", str(cache_dir)).stdout.split("\n", 1)[1]
+    assert [line.split()[0] for line in human.splitlines()] == ["runs", *(n for n in names if n in life)]
+
+
+def test_evictions_reach_the_exit_line() -> None:
+    from asyncclcache.stats import Stats
+
+    assert Stats(evictions=3).line().endswith(" pending (3 evictions)")
+    assert "evictions" not in Stats(hits=1).line()
+
+
+def test_the_exit_line_shows_each_counter_as_the_table_says() -> None:
+    from asyncclcache.stats import COUNTERS, Stats
+
+    zero = Stats().line()
+    for c in COUNTERS[1:]:  # runs: the directory's only
+        one = Stats(**{c.name: 7_000_000 if c.unit == "bytes" else 7}).line()  # the line says MB
+        words = f"7 {c.name.replace('_', ' ')}"
+        if c.line == "head":
+            assert one != zero, c
+        elif c.line == "nonzero":
+            assert one == f"{zero} ({words})" and words not in zero, c
+        else:
+            assert (c.line, one) == ("never", zero), c
+
+
+def test_docs_list_exactly_the_counters() -> None:
+    from asyncclcache.stats import COUNTERS
+
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    table = text.split("| counter | lifetime | exit line | counts |", 1)[1].split("\n\n", 1)[0]
+    rows: dict[str, tuple[bool, str]] = {}
+    for row in table.strip().splitlines()[1:]:
+        names, lifetime, line, _ = (cell.strip() for cell in row.strip("|").split(" | ", 3))
+        for name in names.split(", "):
+            rows[name.strip("`")] = (lifetime == "yes", line)
+    said = {"always": "head", "not zero": "nonzero", "never": "never"}
+    assert {n: (life, said[line]) for n, (life, line) in rows.items()} == {
+        c.name: (c.lifetime, c.line) for c in COUNTERS}
+
+# }}}

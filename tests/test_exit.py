@@ -129,3 +129,29 @@ def test_an_interrupted_close_never_flushes_again(cache_dir: Path) -> None:
     assert out["interrupted"], out  # KeyboardInterrupt reaches the caller of close()
     assert out["first"] < 10 and out["second"] < 1, out  # neither waited out the 30 s
     assert not out["active"] and out["pending"] == 1, out
+
+
+EVICTING = r"""
+import json, sys
+import asyncclcache as acc
+from _pocl import pocl_context
+from kernels import small_source
+ctx = pocl_context()
+cache = acc.Cache(sys.argv[1], strategy="thread", max_size=1)  # each entry evicts itself
+for i in range(2):
+    acc.Program(ctx, small_source(salt=f"evict-{i}"), cache=cache).build()
+    assert cache.flush(120)
+print(json.dumps(cache.stats().as_dict()))
+"""
+
+
+def test_the_exit_line_counts_evictions(cache_dir: Path) -> None:
+    from asyncclcache.stats import read_lifetime
+    from conftest import child_json, run_child
+
+    proc = run_child(EVICTING, str(cache_dir), env={"ASYNCCLCACHE_STATS": "1"})
+    stats = child_json(proc)
+    assert (stats["writes"], stats["evictions"]) == (2, 2), stats
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("asyncclcache: ")]
+    assert line.split("  [")[0].endswith(" pending (2 evictions)"), line
+    assert read_lifetime(Store(cache_dir).root)["evictions"] == 2

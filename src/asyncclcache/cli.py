@@ -395,7 +395,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .stats import LIFETIME_FIELDS, reset_lifetime
+    from .stats import COUNTERS, reset_lifetime
 
     stores = _stores(args)
     if args.reset:
@@ -403,10 +403,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
             reset_lifetime(s.root)
     life = _lifetime(stores)
     human = [f"lifetime stats of {_base(args)}" + (" (reset)" if args.reset else "")]
-    for k in LIFETIME_FIELDS:
-        v = life[k]
-        shown = f"{v:.1f} s" if k == "seconds_saved" else (_human(v) if k == "bytes_written" else f"{v:.0f}")
-        human.append(f"  {k:16s} {shown}")
+    for c in COUNTERS:
+        if c.lifetime:
+            v = life[c.name]
+            shown = f"{v:.1f} s" if c.unit == "s" else (_human(v) if c.unit == "bytes" else f"{v:.0f}")
+            human.append(f"  {c.name:16s} {shown}")
     _emit(args, life, human)
     return EXIT_OK
 

@@ -1,7 +1,9 @@
 """Counters: :class:`Stats` of one cache in one process, and the directory's lifetime totals.
 
 :class:`Counters` is what a :class:`~asyncclcache.Cache` counts into (thread-safe);
-``stats()`` snapshots it as an immutable :class:`Stats`. The lifetime counters are one
+``stats()`` snapshots it as an immutable :class:`Stats`. :data:`COUNTERS` is the one
+table of counters: each :class:`Stats` field says what it counts, whether it is a
+lifetime total and how the exit line shows it. The lifetime counters are one
 small JSON file per cache directory, summed over runs and processes: each process adds
 what it counted since its last save, under a file lock taken with a short timeout (a
 stuck holder costs a skipped save, never a hang), written atomically and durably
@@ -15,7 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,43 +25,75 @@ from .fileio import atomic_write
 from .locks import file_lock
 from .store import STATS_FILE, STATS_LOCK
 
-__all__ = ["LIFETIME_FIELDS", "Counters", "Stats", "add_lifetime", "read_lifetime", "reset_lifetime"]
+__all__ = [
+    "COUNTERS", "LIFETIME_FIELDS", "Counter", "Counters", "Stats",
+    "add_lifetime", "read_lifetime", "reset_lifetime",
+]
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Counter:
+    """One counter: a :class:`Stats` field (or ``runs``), what it counts, whether the
+    directory's lifetime totals sum it (``asyncclcache stats`` shows those), and where the
+    exit line shows it: ``"head"`` always, ``"nonzero"`` after the head when not zero,
+    ``"never"``. ``unit``: ``""``, ``"bytes"`` or ``"s"`` (a float)."""
+
+    name: str
+    meaning: str
+    lifetime: bool
+    line: str
+    unit: str = ""
+
+
+def _counter(meaning: str, *, lifetime: bool = True, line: str = "nonzero", unit: str = "") -> Any:
+    """A :class:`Stats` field: its row of :data:`COUNTERS` is its metadata."""
+    return field(default=0.0 if unit == "s" else 0,
+                 metadata={"meaning": meaning, "lifetime": lifetime, "line": line, "unit": unit})
+
 
 @dataclass(frozen=True)
 class Stats:
-    """Counters of one :class:`Cache` in this process (a snapshot; immutable)."""
+    """Counters of one :class:`Cache` in this process (a snapshot; immutable).
 
-    hits: int = 0
-    misses: int = 0
-    writes: int = 0
-    write_errors: int = 0
-    skipped: int = 0  # writes skipped: another process held the key, or shut down first
-    pending: int = 0  # background retrievals and writes not finished yet
-    bytes_written: int = 0
-    warmups: int = 0  # first binary queries in the helper (pocl's generic compile)
-    refreshes: int = 0  # entries rewritten because the program gained variants
-    rejected: int = 0  # stored binaries the driver refused (rebuilt from source)
-    baked_hits: int = 0  # hits served by a baked binary (asyncclcache bake)
-    bakes_dropped: int = 0  # baked binaries not used at a hit (stale or refused), dropped
-    bakes_not_queued: int = 0  # entries the idle baker could not take (busy, or off here): bake later
-    unidentified: int = 0  # kcache: pocl's folder of a build not found, or removed under us
-    uncacheable: int = 0  # builds not cached: an #include that cannot be resolved for certain
-    incomplete_hits: int = 0  # driver caches: hits after which the driver wrote files anyway
-    left_out: int = 0  # driver caches: files of a build not stored (bounds, trust rules, gone)
-    errors: int = 0  # background failures (logged)
-    evictions: int = 0  # entries removed to keep the directory under max_size
-    seconds_saved: float = 0.0  # estimated compile time that hits avoided
-    main_thread_seconds: float = 0.0  # time the cache spent in callers' threads
-    background_cpu_seconds: float = 0.0  # CPU time of the cache's own threads (not a helper's)
+    Every counter is one field here, with its meaning, whether it is a lifetime total and
+    how the exit line shows it (:data:`COUNTERS`). Every counter of events is a lifetime
+    total; ``pending`` is a level, and the two CPU-time fields measure this process.
+    """
+
+    hits: int = _counter("builds served from an entry", line="head")
+    misses: int = _counter("builds from source that were then scheduled to be stored", line="head")
+    writes: int = _counter("entries written", line="head")
+    bytes_written: int = _counter("blob bytes of the entries written", line="head", unit="bytes")
+    seconds_saved: float = _counter("estimated compile time that hits avoided", line="head", unit="s")
+    pending: int = _counter("background retrievals and writes not finished yet (a level, not events)",
+                            lifetime=False, line="head")
+    baked_hits: int = _counter("hits served by a baked binary (asyncclcache bake)")
+    bakes_dropped: int = _counter("baked binaries not used at a hit (stale or refused), dropped")
+    bakes_not_queued: int = _counter("entries the idle baker could not take (busy, or off here): bake later")
+    warmups: int = _counter("first binary queries in the helper (pocl's generic compile)")
+    refreshes: int = _counter("entries rewritten because the program gained variants")
+    skipped: int = _counter("writes left to another process that held the key, or dropped at shutdown")
+    rejected: int = _counter("stored binaries the driver refused (rebuilt from source)")
+    uncacheable: int = _counter("builds not cached: an #include that cannot be resolved for certain")
+    unidentified: int = _counter("kcache: pocl's folder of a build not found, or removed under us")
+    incomplete_hits: int = _counter("driver caches: hits after which the driver wrote files anyway")
+    left_out: int = _counter("driver caches: files of a build not stored (bounds, trust rules, gone)")
+    evictions: int = _counter("entries removed to keep the directory under max_size")
+    write_errors: int = _counter("writes that failed (disk full, permissions)")
+    errors: int = _counter("other background failures (logged)")
+    # This process's costs, for profiling a run: summed over runs on other nodes and loads
+    # they would say nothing about the directory.
+    main_thread_seconds: float = _counter("time the cache spent in callers' threads",
+                                          lifetime=False, line="never", unit="s")
+    background_cpu_seconds: float = _counter("CPU time of the cache's own threads (not a helper's)",
+                                             lifetime=False, line="never", unit="s")
 
     def line(self, label: str = "asyncclcache") -> str:
         """One line, as ``ccache -s`` would say it: for a log, or the job's exit summary.
 
-        Counters that are usually zero (errors, skipped, rejected, ...) appear when not.
+        The head always; after it, each ``"nonzero"`` counter (errors, skipped, ...) that is not zero.
         """
         text = (
             f"{label}: {self.hits} hits, {self.misses} misses, {self.writes} writes "
@@ -67,11 +101,9 @@ class Stats:
             f"{self.pending} pending"
         )
         extra = [
-            f"{getattr(self, name)} {name.replace('_', ' ')}"
-            for name in ("baked_hits", "bakes_dropped", "bakes_not_queued", "warmups", "refreshes", "skipped",
-                         "rejected", "uncacheable", "unidentified", "incomplete_hits", "left_out", "write_errors",
-                         "errors")
-            if getattr(self, name)
+            f"{getattr(self, c.name)} {c.name.replace('_', ' ')}"
+            for c in COUNTERS
+            if c.line == "nonzero" and getattr(self, c.name)
         ]
         return text + (f" ({', '.join(extra)})" if extra else "")
 
@@ -127,25 +159,15 @@ class Counters:
                 self._saved = now
 
 
-#: Lifetime counters (the process counters of ``Stats`` that add up, plus a few more).
-LIFETIME_FIELDS = (
-    "runs",
-    "hits",
-    "baked_hits",
-    "misses",
-    "writes",
-    "write_errors",
-    "skipped",
-    "bytes_written",
-    "warmups",
-    "refreshes",
-    "rejected",
-    "unidentified",
-    "uncacheable",
-    "errors",
-    "evictions",
-    "seconds_saved",
+#: Every counter: ``runs`` (lifetime only: the processes that saved counters here), then
+#: the fields of :class:`Stats`, in the order the exit line and ``asyncclcache stats`` show them.
+COUNTERS: tuple[Counter, ...] = (
+    Counter("runs", "processes that added their counters to the directory's", lifetime=True, line="never"),
+    *(Counter(f.name, **f.metadata) for f in fields(Stats)),
 )
+
+#: The lifetime counters: summed over runs, processes and ranks in the directory.
+LIFETIME_FIELDS: tuple[str, ...] = tuple(c.name for c in COUNTERS if c.lifetime)
 
 
 def read_lifetime(root: str | os.PathLike[str]) -> dict[str, float]:
