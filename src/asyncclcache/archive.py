@@ -33,6 +33,7 @@ from io import BytesIO
 from pathlib import Path
 
 from .entry import EntryFormatError
+from .errors import ArchiveError
 from .fileio import atomic_writer
 from .keys import FORMAT_VERSION
 from .store import (
@@ -65,10 +66,6 @@ _IGNORED_RE = re.compile(
 )
 _MODES = {".tar": "", ".tar.gz": "gz", ".tgz": "gz", ".tar.xz": "xz", ".txz": "xz", ".tar.bz2": "bz2",
           ".tbz2": "bz2"}
-
-
-class ArchiveError(Exception):
-    """An archive that cannot be exported or imported; the message names the member."""
 
 
 @dataclass

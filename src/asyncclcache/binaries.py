@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .errors import BinaryQueryError
+
 if TYPE_CHECKING:
     import pyopencl as cl
 
@@ -28,14 +30,6 @@ CL_PROGRAM_BINARIES = 0x1166
 
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
-
-
-class BinaryQueryError(RuntimeError):
-    """``clGetProgramInfo`` failed; ``code`` is the OpenCL status."""
-
-    def __init__(self, what: str, code: int) -> None:
-        super().__init__(f"clGetProgramInfo({what}) failed with status {code}")
-        self.code = code
 
 
 def _find_loaded_opencl() -> str | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ._version import __version__
+from .errors import UsageError
 
 __all__ = ["main"]
 
@@ -37,10 +38,6 @@ EXIT_USAGE = 2
 WIDTH = 80
 _AGE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _AGE_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-class UsageError(Exception):
-    """Reported as ``asyncclcache: <message>`` with exit status 2."""
 
 
 def _human(n: float) -> str:

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import IO, Any
 
+from .errors import EntryFormatError
 from .keys import FORMAT_VERSION
 
 __all__ = [
@@ -50,10 +51,6 @@ MAGIC = b"ACLCACHE"
 _HEADER = struct.Struct("<8sHHI")
 _DIGEST_SIZE = 32
 _MAX_META = 64 << 20
-
-
-class EntryFormatError(ValueError):
-    """The bytes are not a valid entry; the message says why."""
 
 
 def _str_list(x: Any) -> bool:

@@ -1,19 +1,30 @@
 """Errors and warnings of asyncclcache.
 
 Every error derives from :class:`AsyncCLCacheError`, every warning from
-:class:`AsyncCLCacheWarning`, so callers can filter the whole library at once.
+:class:`AsyncCLCacheWarning`, so callers can filter the whole library at once. An
+error that refines a built-in derives from it too, so ``except OSError`` (say) still
+catches an :class:`InsecurePathError`. The modules that raise them import them from
+here (``fileio.InsecurePathError`` is this module's). The package's control-flow
+exceptions (a driver's ``Dropped`` and ``Lost``, the helper's wire errors, the include
+scan's ``UncertainIncludes``) are caught inside it, never reach a user, and are not here.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ArchiveError",
     "AsyncCLCacheError",
     "AsyncCLCacheWarning",
     "BackgroundError",
+    "BinaryQueryError",
     "BinaryRejectedWarning",
     "CacheDirWarning",
     "CorruptEntryWarning",
+    "EntryFormatError",
+    "HelperError",
     "InsecureCacheWarning",
+    "InsecurePathError",
+    "UsageError",
     "WriteFailedWarning",
 ]
 
@@ -24,6 +35,34 @@ class AsyncCLCacheError(Exception):
 
 class BackgroundError(AsyncCLCacheError, RuntimeError):
     """Raised by ``flush()`` for a background failure when ``ASYNCCLCACHE_FAILURE_FATAL=1``."""
+
+
+class HelperError(AsyncCLCacheError, RuntimeError):
+    """The ``process`` strategy's helper failed to start, died, or failed a request (a background failure)."""
+
+
+class BinaryQueryError(AsyncCLCacheError, RuntimeError):
+    """``clGetProgramInfo`` failed while reading a program's binaries; ``code`` is the OpenCL status."""
+
+    def __init__(self, what: str, code: int) -> None:
+        super().__init__(f"clGetProgramInfo({what}) failed with status {code}")
+        self.code = code
+
+
+class InsecurePathError(AsyncCLCacheError, PermissionError):
+    """A directory or file another user could have written (or a link) was refused."""
+
+
+class EntryFormatError(AsyncCLCacheError, ValueError):
+    """The bytes read are not a valid entry (damaged, truncated, foreign); the message says why."""
+
+
+class ArchiveError(AsyncCLCacheError):
+    """``export`` or ``import`` cannot use an archive (or a directory); the message names the member."""
+
+
+class UsageError(AsyncCLCacheError):
+    """The ``asyncclcache`` command cannot act on its command line or directory; it exits with status 2."""
 
 
 class AsyncCLCacheWarning(UserWarning):

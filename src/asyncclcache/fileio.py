@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from .errors import InsecurePathError
+
 __all__ = [
     "CLOEXEC",
     "HOST",
@@ -50,10 +52,6 @@ TEMP_SUFFIX = ".partial"
 #: This host in temp names (a digest: host names may hold any character), so that a sweep
 #: judges by PID only the temp files written on this host.
 HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
-
-
-class InsecurePathError(PermissionError):
-    """A directory or file another user could have written (or a link): refused."""
 
 
 def insecure(st: os.stat_result, *, private_group_ok: bool = False) -> str | None:

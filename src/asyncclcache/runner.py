@@ -28,6 +28,8 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .errors import UsageError
+
 __all__ = ["USAGE", "RunArgs", "main", "parse"]
 
 USAGE = """\
@@ -48,10 +50,6 @@ options:
 """
 
 EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A bad ``run`` command line."""
 
 
 @dataclass

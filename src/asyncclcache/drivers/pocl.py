@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from .. import fsclock, system
+from ..errors import HelperError
 from ..fileio import CLOEXEC, NONBLOCK
 from ..keys import IncludeDep, pocl_code_settings
 from . import _wire
@@ -59,10 +60,6 @@ REQUEST_TIMEOUT = 1800.0
 #: The helper's entry point (:func:`.system.start_helper` lowers its priority before
 #: anything is imported: starting Python and pyopencl is CPU work too).
 _HELPER_MAIN = "asyncclcache.drivers.pocl_helper:main"
-
-
-class HelperError(RuntimeError):
-    """The helper process failed a request or died."""
 
 
 @dataclass
