@@ -122,6 +122,32 @@ def test_a_helper_started_stopped_never_outlives_its_parent(tmp_path: Path, here
     assert not (tmp_path / "report.json").exists()  # it never ran its target
 
 
+# A child: starts a helper that waits for a signal (no pipe whose end could tell it that
+# its parent is gone), prints its pid once it is set, then kills itself.
+RUNNING = r"""
+import os, signal, subprocess
+from asyncclcache import system
+r, w = os.pipe()
+proc = system.start_helper("signal:pause", ready=w, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(proc.pid, os.read(r, 1), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("here", [pytest.param(True, marks=LINUX), False], ids=["linux", "not-here"])
+def test_a_running_helper_never_outlives_its_parent(here: bool) -> None:
+    # Here the system kills it; not here only its parent watch can: nothing else would end it.
+    proc = run_child(RUNNING, env=None if here else NOT_HERE, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pid, got = proc.stdout.split()
+    try:
+        assert got == "b'R'", proc.stdout
+        assert gone([int(pid)], 5.0), f"helper {pid} outlived its parent"
+    finally:
+        if alive(int(pid)):
+            os.kill(int(pid), signal.SIGKILL)
+
+
 def test_the_sweep_removes_only_our_folders_whose_owner_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from asyncclcache import system
 
