@@ -21,7 +21,7 @@ def pocl_platform() -> Any:
     """The pocl platform ("Portable Computing Language"); :class:`PoclMissingError` if absent."""
     import pyopencl as cl
 
-    from asyncclcache.keys import POCL_PLATFORM_NAME
+    from asyncclcache.platforms.pocl import NAME as POCL_PLATFORM_NAME
 
     try:
         platforms = cl.get_platforms()

@@ -21,9 +21,12 @@ from typing import Any
 
 import pytest
 
-from asyncclcache import cuda_env, mesa_env
-from asyncclcache.drivers.filecache import MESA, NVIDIA, added_files
+from asyncclcache.drivers.filecache import added_files
 from asyncclcache.keys import UncertainIncludes, find_include_deps
+from asyncclcache.platforms import mesa as mesa_platform
+from asyncclcache.platforms import nvidia as nvidia_platform
+
+MESA, NVIDIA = mesa_platform.LAYOUT, nvidia_platform.LAYOUT
 
 # {{{ where the caches live (pure rules; the values were measured on the drivers)
 
@@ -45,7 +48,7 @@ HOME = pwd.getpwuid(os.getuid()).pw_dir
     ({"HOME": ""}, None),
 ])
 def test_cuda_cache_place_as_measured(env: dict[str, str], root: str | None) -> None:
-    got, why = cuda_env.locate(env)
+    got, why = nvidia_platform.locate(env)
     assert got == (None if root is None else Path(root))
     assert bool(why) == (root is None)
 
@@ -74,7 +77,7 @@ def test_cuda_cache_place_as_measured(env: dict[str, str], root: str | None) -> 
     ({"MESA_SHADER_CACHE_DIR": "/m", "MESA_DISK_CACHE_MULTI_FILE": "1"}, "/m/mesa_shader_cache"),
 ])
 def test_mesa_cache_place_as_mesa_finds_it(env: dict[str, str], root: str | None) -> None:
-    got, why = mesa_env.locate(env, release=(26, 1))
+    got, why = mesa_platform.locate(env, release=(26, 1))
     assert got == (None if root is None else Path(root))
     assert bool(why) == (root is None)
 
@@ -130,12 +133,12 @@ def test_added_files_takes_only_trusted_items_of_the_window(tmp_path: Path) -> N
 def test_mesa_layout_default_per_release(
     release: tuple[int, int] | None, env: dict[str, str], multi: bool | None,
 ) -> None:
-    got, why = mesa_env.locate({"MESA_SHADER_CACHE_DIR": "/m", **env}, release=release)
+    got, why = mesa_platform.locate({"MESA_SHADER_CACHE_DIR": "/m", **env}, release=release)
     assert (got is not None) == bool(multi), why
     if multi is None:
         assert "not measured" in why
-    assert mesa_env.mesa_release("25.0.7-2+deb13u1") == (25, 0)
-    assert mesa_env.mesa_release("22.3.6") == (22, 3) and mesa_env.mesa_release("rusticl") is None
+    assert mesa_platform.mesa_release("25.0.7-2+deb13u1") == (25, 0)
+    assert mesa_platform.mesa_release("22.3.6") == (22, 3) and mesa_platform.mesa_release("rusticl") is None
 
 
 def test_a_file_written_after_its_directory_changed_is_in_every_scan(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from asyncclcache.keys import INTEL_CPU_PLATFORM_NAMES
+from asyncclcache.platforms.intel import NAMES as INTEL_CPU_PLATFORM_NAMES
 
 TESTS = Path(__file__).resolve().parent
 
@@ -223,7 +223,7 @@ def test_the_cl_cfg_in_effect_is_the_working_folders_then_the_librarys(
 ) -> None:
     import hashlib
 
-    from asyncclcache.keys import INTEL_CL_CFG, intel_cl_cfg
+    from asyncclcache.platforms.intel import INTEL_CL_CFG, intel_cl_cfg
 
     lib = tmp_path / "venv" / "lib"
     lib.mkdir(parents=True)

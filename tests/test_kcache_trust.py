@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncclcache import fsclock, pocl_env
+from asyncclcache import fsclock
 from asyncclcache.drivers import Lost, cachefiles, kcache, poclcache
+from asyncclcache.platforms import pocl as pocl_platform
 from asyncclcache.store import Store
 from conftest import ROOT, child_json, run_child
 
@@ -92,9 +93,9 @@ def _child(code: str, *args: str, env: dict[str, str], timeout: float = 300) -> 
     ],
 )
 def test_kernel_cache_dir_follows_pocls_code(env, expect):
-    got = pocl_env.kernel_cache_dir(env)
+    got = pocl_platform.kernel_cache_dir(env)
     assert got == (Path(expect) if expect else None)
-    assert pocl_env.cache_topdir({"HOME": "/h", "POCL_KERNEL_CACHE": "no"}) == Path("/h/.cache/pocl/uncached")
+    assert pocl_platform.cache_topdir({"HOME": "/h", "POCL_KERNEL_CACHE": "no"}) == Path("/h/.cache/pocl/uncached")
 
 
 def test_home_unset_a_shipped_cache_hits_and_is_kept(cache_dir):

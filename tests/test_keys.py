@@ -520,9 +520,11 @@ def test_options_that_add_files_or_move_the_search_make_it_uncacheable(cl_ctx: A
 
 
 def _selected(platform: str, env: dict[str, str]) -> dict[str, str]:
-    from asyncclcache.keys import DRIVER_SETTINGS
+    from asyncclcache import platforms
 
-    return DRIVER_SETTINGS[platform].select(env)
+    record = platforms.find(platform)
+    assert record is not None and record.settings is not None, platform
+    return record.settings.select(env)
 
 
 # Set on every machine, or by other drivers and tools: never in another driver's key.
@@ -531,7 +533,7 @@ _UNRELATED = {"HOME": "/h", "PATH": "/usr/bin", "XDG_CACHE_HOME": "/x", "POCL_WO
 
 
 def test_mesa_settings_that_change_code_are_in_the_key_and_its_cache_places_are_not() -> None:
-    from asyncclcache.mesa_env import RUSTICL_PLATFORM_NAME
+    from asyncclcache.platforms.mesa import NAME as RUSTICL_PLATFORM_NAME
 
     code = {
         "LP_NATIVE_VECTOR_WIDTH": "128", "LP_PERF": "no_mipmap", "LP_DEBUG": "accurate_a0",
@@ -559,7 +561,7 @@ def test_mesa_settings_that_change_code_are_in_the_key_and_its_cache_places_are_
 
 
 def test_nvidia_jit_settings_are_in_the_key_and_cache_and_device_choice_are_not() -> None:
-    from asyncclcache.cuda_env import NVIDIA_PLATFORM_NAME
+    from asyncclcache.platforms.nvidia import NAME as NVIDIA_PLATFORM_NAME
 
     code = {"CUDA_FORCE_PTX_JIT": "1", "CUDA_DISABLE_PTX_JIT": "1", "CUDA_FORCE_JIT": "1",
             "CUDA_MODULE_LOADING": "EAGER"}
@@ -576,7 +578,8 @@ def test_nvidia_jit_settings_are_in_the_key_and_cache_and_device_choice_are_not(
 
 
 def test_intel_and_pocl_settings_each_stay_in_their_own_key() -> None:
-    from asyncclcache.keys import INTEL_CPU_PLATFORM_NAMES, POCL_PLATFORM_NAME
+    from asyncclcache.platforms.intel import NAMES as INTEL_CPU_PLATFORM_NAMES
+    from asyncclcache.platforms.pocl import NAME as POCL_PLATFORM_NAME
 
     env = {"CL_CONFIG_CPU_TARGET_ARCH": "corei7", "CL_CONFIG_USE_VECTORIZER": "False",
            "CL_CONFIG_USE_FAST_RELAXED_MATH": "True", "CL_CONFIG_CPU_TBB_NUM_WORKERS": "1",
@@ -586,6 +589,31 @@ def test_intel_and_pocl_settings_each_stay_in_their_own_key() -> None:
         assert _selected(name, env) == {"CL_CONFIG_CPU_TARGET_ARCH": "corei7", "CL_CONFIG_USE_VECTORIZER": "False",
                                         "CL_CONFIG_USE_FAST_RELAXED_MATH": "True"}
     assert _selected(POCL_PLATFORM_NAME, env) == {"POCL_WORK_GROUP_METHOD": "cbs"}
+
+
+def test_the_host_cpu_is_unknown_where_the_system_does_not_say(monkeypatch: Any) -> None:
+    # macOS has no /proc/cpuinfo: the probe says nothing, the key says "unknown".
+    import asyncclcache.keys as keys
+    from asyncclcache import system
+
+    here = keys.host_cpu_features.__wrapped__()
+    assert here != "unknown" and len(here) == 32  # this machine has /proc
+    monkeypatch.setattr(system, "cpu_description", lambda: None)
+    assert keys.host_cpu_features.__wrapped__() == "unknown"
+    monkeypatch.setattr(system, "cpu_description", lambda: b"flags : sse2\nflags : avx2\n")
+    assert keys.host_cpu_features.__wrapped__() not in ("unknown", here)
+
+
+def test_pocls_jit_is_in_the_key_with_the_layout_it_writes() -> None:
+    # pocl main's JIT writes <kernel>.so.o into a variant (another layout, another code path):
+    # POCL_CPU_JIT is not among the settings that cannot change code, so it is in the key.
+    from asyncclcache.platforms import pocl
+
+    assert "POCL_CPU_JIT" not in pocl.NOT_CODE
+    assert _selected(pocl.NAME, {"POCL_CPU_JIT": "1", "POCL_DEBUG": "all"}) == {"POCL_CPU_JIT": "1"}
+    for name in ("k.so", "k.so.o"):
+        assert pocl.LAYOUT.valid(f"AB/{'C' * 38}/k/64-1-1-goffs0-smallgrid/{name}")
+    assert not pocl.LAYOUT.valid(f"AB/{'C' * 38}/../x") and not pocl.LAYOUT.valid(f"AB/{'C' * 38}")
 
 
 # }}}

@@ -9,6 +9,7 @@ function-level import is still a cycle.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,38 @@ def test_each_name_on_disk_is_spelled_by_its_owner_alone():
     assert {n: w for n, w in wrong.items() if w} == {}
     # The checker sees them where they are spelled.
     assert all(spelled.get(name) for name in DISK_NAMES), spelled
+
+
+def _implementation_names() -> tuple[tuple[str, ...], re.Pattern[str]]:
+    """Every OpenCL platform name in the table, and a pattern of every driver setting's
+    name: the prefixes of the settings that change code, and the variables an
+    implementation reads to find its cache (as its module documents them)."""
+    from asyncclcache import platforms
+
+    names = tuple(n for p in platforms.PLATFORMS for n in p.names)
+    prefixes = {pre for p in platforms.PLATFORMS if p.settings is not None for pre in p.settings.prefixes}
+    spelled = "|".join(sorted(map(re.escape, prefixes | {"XDG_CACHE_HOME", "CUDA_HOME"})))
+    return names, re.compile(rf"(?<![A-Za-z0-9_])(?:{spelled})")
+
+
+def test_what_one_implementation_is_is_spelled_in_its_platform_module_alone():
+    # Issue 27: a platform's name or a driver setting's name in a string of the code
+    # outside asyncclcache/platforms/ is knowledge of one implementation kept elsewhere.
+    names, setting = _implementation_names()
+    inside: dict[str, list[str]] = {}
+    outside: list[str] = []
+    for module, path in MODULES.items():
+        for line, value in _string_constants(ast.parse(path.read_text(), str(path))):
+            found = [n for n in names if n in value] + setting.findall(value)
+            if not found:
+                continue
+            if module.startswith(f"{PACKAGE}.platforms."):
+                for f in found:
+                    inside.setdefault(f, []).append(f"{module}:{line}")
+            else:
+                outside.append(f"{module}:{line}: {found}")
+    assert outside == []
+    # The checker sees them where they are spelled: every platform name, and pocl's,
+    # NVIDIA's, Mesa's and Intel's settings.
+    assert set(names) <= set(inside), sorted(inside)
+    assert {"POCL_", "CUDA_", "MESA_", "CL_CONFIG_", "XDG_CACHE_HOME"} <= set(inside), sorted(inside)

@@ -9,12 +9,13 @@ build step, before an export (``export --bake``), or during the run on idle core
 (``ASYNCCLCACHE_BAKE=idle``, :class:`IdleBaker`).
 
 For each ``kcache`` entry of a device present here, in a worker process with a private
-``POCL_CACHE_DIR``: restore the entry's folder, build the program from its source (a pocl
-hit, checked without a clock: pocl touched the restored folder), take the BINARIES
-answer, which packs the folder's specialized variants and the generic one, and publish
-it under :func:`~.keys.baked_key` with the same claim, checksum and atomic publish as
-every write. An entry is baked only where this process computes the same key for it
-(the same pyopencl, ``POCL_*`` settings and header contents): when in doubt, skip.
+kernel cache (:func:`.platforms.pocl.cache_environ`): restore the entry's folder, build
+the program from its source (a pocl hit, checked without a clock: pocl touched the
+restored folder), take the BINARIES answer, which packs the folder's specialized
+variants and the generic one, and publish it under :func:`~.keys.baked_key` with the
+same claim, checksum and atomic publish as every write. An entry is baked only where
+this process computes the same key for it (the same pyopencl, pocl settings and header
+contents): when in doubt, skip.
 A hit prefers the baked binary while it holds every file of its entry
 (:meth:`.drivers.kcache.KcacheDriver.build_from_baked`).
 
@@ -42,9 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _version
+from . import _version, platforms
 from .entry import Entry, EntryMeta
 from .keys import baked_key
+from .platforms import pocl
 from .store import Store
 
 __all__ = ["BakeResult", "IdleBaker", "bake", "to_bake"]
@@ -95,7 +97,7 @@ def to_bake(store: Store, device: str | None = None) -> tuple[list[str], dict[st
 
     for e in sorted(store.entries(), key=lambda e: e.key):
         meta = store.read_meta(e.path)
-        if meta is None or meta.kind != "kcache" or meta.strategy.startswith("kcache-"):
+        if meta is None or meta.kind != "kcache" or platforms.by_strategy(meta.strategy) is not pocl.PLATFORM:
             continue  # damaged (verify says), or not pocl's folder (NVIDIA's, Mesa's items)
         if meta.source is None:
             leave("no source (written by an earlier release)")
@@ -120,7 +122,6 @@ def _pocl_devices() -> list[dict[str, str]] | str:
     without a driver: the ICD loader finds no platform)."""
     import pyopencl as cl
 
-    from .drivers import is_pocl_cpu
     from .keys import device_identity
 
     try:
@@ -133,7 +134,7 @@ def _pocl_devices() -> list[dict[str, str]] | str:
             devices = p.get_devices()
         except cl.Error:
             continue  # a platform without devices (Clover, rusticl not enabled)
-        here += [device_identity(d) for d in devices if is_pocl_cpu(d)]
+        here += [device_identity(d) for d in devices if pocl.is_cpu_device(d)]
     return here
 
 
@@ -187,9 +188,9 @@ class _Worker:
 
     def _same_key(self, entry: Entry, devices: Sequence[Any]) -> str | None:
         """Why this process, in the folder it builds in, would not compute ``entry``'s key
-        (a header changed or resolves to another file, another pyopencl or ``POCL_*``
+        (a header changed or resolves to another file, another pyopencl or pocl
         setting), or ``None``."""
-        from . import _pyopencl, pocl_env
+        from . import _pyopencl
         from .keys import UncertainIncludes, find_include_deps, key_of
 
         source = entry.meta.source.encode("utf-8", "surrogateescape")  # type: ignore[union-attr]
@@ -206,7 +207,7 @@ class _Worker:
         options = entry.meta.options.encode("utf-8", "surrogateescape")
         # The key holds real paths: the files this build's compiler finds, looking where the
         # job's did (this pocl's source folder, then "." and the -I folders), must be those.
-        folder = pocl_env.source_dir()
+        folder = pocl.source_dir()
         try:
             deps = find_include_deps(source, _pyopencl.include_path(options),
                                      source_dir=None if folder is None else os.path.realpath(folder))
@@ -215,7 +216,8 @@ class _Worker:
         if [[d.path, d.sha256] for d in deps] != entry.meta.includes:
             return "built in its folder, a header it includes is another file"
         if key_of(devices, options, entry.meta.source_sha256, entry.meta.includes, kind="kcache") != entry.key:
-            return "built here it would have another key (pyopencl version or POCL_* settings)"
+            return ("built here it would have another key "
+                    f"(pyopencl version or {pocl.SETTINGS.prefixes[0]}* settings)")
         return None
 
     def _build(self, entry: Entry, ctx: Any, devices: list[Any]) -> list[bytes]:
@@ -311,9 +313,12 @@ _worker: _Worker | None = None
 def _init_worker() -> None:
     """In a worker process (:func:`.system.start_helper` set its priority, its death with
     its parent and SIGINT ignored): bake with the private kernel cache that its parent made
-    and named in ``POCL_CACHE_DIR`` (pocl reads it once)."""
+    and named in its environment (:func:`.platforms.pocl.cache_environ`; pocl reads it once)."""
     global _worker
-    _worker = _Worker(Path(os.environ["POCL_CACHE_DIR"]))
+    folder = pocl.kernel_cache_dir()
+    if folder is None:
+        raise RuntimeError("a bake worker needs the private kernel cache its parent names")
+    _worker = _Worker(folder)
 
 
 def _bake_one(where: tuple[str, bool, int | None], key: str) -> tuple[str, str, str]:
@@ -453,7 +458,7 @@ class _Pool:
 
         pocl_dir = self.folder / f"w{n}"
         pocl_dir.mkdir(exist_ok=True)
-        env = dict(os.environ, POCL_CACHE_DIR=str(pocl_dir), POCL_KERNEL_CACHE="1")
+        env = dict(os.environ, **pocl.cache_environ(pocl_dir))
         with self._lock:
             if self._stopped:
                 raise _Died("stopped")
@@ -605,7 +610,7 @@ class IdleBaker:
         try:
             proc = system.start_helper(
                 "asyncclcache.bake:_idle_main", self._where, priority="idle", stopped=True, ready=ready_w,
-                env=dict(os.environ, POCL_CACHE_DIR=str(folder), POCL_KERNEL_CACHE="1"),
+                env=dict(os.environ, **pocl.cache_environ(folder)),
                 stdin=keys_r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
         except OSError as e:

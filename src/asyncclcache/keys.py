@@ -33,7 +33,7 @@ Includes are resolved by one rule, clang's, or the program is uncacheable:
   ``#import``, ``__has_include``/``__has_include_next`` anywhere in the code (the code
   depends on which files exist), ``__DATE__``/``__TIME__``/``__TIMESTAMP__``, and a
   header reached through links whose includes resolve differently in its folders, and
-  build options (or ``POCL_EXTRA_BUILD_FLAGS``) that add files or move the search
+  build options (or the flags a driver adds to them) that add files or move the search
   (``-include``, ``-imacros``, ``-isystem``, ``-iquote``, ``-idirafter``, ``-nostdinc``...).
   When unsure, uncacheable: never stale.
 
@@ -52,24 +52,19 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import fsclock
-from .cuda_env import NVIDIA_PLATFORM_NAME
-from .mesa_env import RUSTICL_PLATFORM_NAME
+from . import fsclock, platforms, system
+from .platform import Settings
 
 if TYPE_CHECKING:
     import pyopencl as cl
 
 __all__ = [
-    "DRIVER_SETTINGS",
     "FORMAT_VERSION",
     "INCLUDE_RULE",
-    "INTEL_CPU_PLATFORM_NAMES",
-    "POCL_PLATFORM_NAME",
-    "DriverSettings",
     "IncludeDep",
     "KeyInfo",
     "UncertainIncludes",
@@ -78,16 +73,11 @@ __all__ = [
     "device_identity",
     "find_include_deps",
     "host_cpu_features",
-    "intel_cl_cfg",
     "key_of",
     "make_key",
-    "pocl_code_settings",
     "scan_includes",
     "settings_of",
 ]
-
-#: pocl's platform name (its settings and the host CPU go into the key).
-POCL_PLATFORM_NAME = "Portable Computing Language"
 
 #: Version of the entry format; part of every key and of the directory name.
 FORMAT_VERSION = 1
@@ -246,196 +236,13 @@ def device_identity(device: cl.Device) -> dict[str, str]:
     }
 
 
-#: pocl's settings that cannot change generated code (where files go, logging, threads,
-#: memory). Every other ``POCL_*`` variable is part of the key: when in doubt, miss.
-POCL_NOT_CODE = frozenset({
-    "POCL_CACHE_DIR", "POCL_KERNEL_CACHE", "POCL_DEBUG", "POCL_DEBUG_LLVM_PASSES",
-    "POCL_LEAVE_KERNEL_COMPILER_TEMP_FILES", "POCL_MAX_PTHREAD_COUNT", "POCL_PTHREAD_MIN_THREADS",
-    "POCL_AFFINITY", "POCL_MEMORY_LIMIT", "POCL_TRACING", "POCL_TRACING_OPT", "POCL_TRACING_FILTER",
-    "POCL_DUMP_TASK_GRAPHS", "POCL_STARTUP_DELAY", "POCL_BUILDING", "POCL_IMPLICIT_FINISH",
-})
-
-
-def pocl_code_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """The ``POCL_*`` variables of ``env`` that can change generated code (all but
-    :data:`POCL_NOT_CODE`): what the key holds of pocl's environment."""
-    return DRIVER_SETTINGS[POCL_PLATFORM_NAME].select(env)
-
-
 # {{{ each driver's settings that change its code (docs/design.md "Settings in the key, per driver")
-
-#: Intel's oneAPI OpenCL CPU runtime (PyPI ``intel-opencl-rt``), by its platform names, new and old.
-INTEL_CPU_PLATFORM_NAMES = ("Intel(R) OpenCL", "Intel(R) CPU Runtime for OpenCL(TM) Applications")
-#: The name of the key's field that holds the digest of Intel's ``cl.cfg`` in effect.
-INTEL_CL_CFG = "intel_cl_cfg"
-
-
-@dataclass(frozen=True)
-class DriverSettings:
-    """What of its environment one OpenCL platform reads that changes the code it generates.
-
-    Every variable whose name starts with one of ``prefixes`` is in the key, except those
-    in ``not_code`` (where files go, logging, threads, which devices: none of them changes
-    a binary): when in doubt, in. ``files`` digests the files that the driver reads as
-    settings, ``{field: digest}``, and says why one cannot be known (then nothing is
-    cached). ``at_start``: the driver reads all this once, when it starts, so a process
-    keeps its first answer (measured on Intel's runtime: a ``cl.cfg`` or ``CL_CONFIG_*``
-    changed after the platform started changes no code; Mesa's and NVIDIA's read theirs
-    at device creation); pocl reads its own at every build.
-    """
-
-    prefixes: tuple[str, ...]
-    not_code: frozenset[str] = frozenset()
-    files: Callable[[], tuple[dict[str, str], str | None]] | None = None
-    at_start: bool = True
-
-    def select(self, env: Mapping[str, str]) -> dict[str, str]:
-        """The variables of ``env`` that are in the key. Pure: thread-safe."""
-        return {k: v for k, v in env.items() if k.startswith(self.prefixes) and k not in self.not_code}
-
-
-def _regular_file_digest(path: str) -> tuple[str | None, str | None]:
-    """``(sha256, None)`` of the regular file at ``path``; ``(None, None)`` where nothing is
-    there; ``(None, why)`` where something is there that cannot be read as a file. Never
-    blocks on a FIFO (``O_NONBLOCK``) and never follows a link to a device."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        return None, None
-    except OSError as e:
-        return None, f"{path} cannot be opened: {e.strerror or e}"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None, f"{path} is not a regular file"
-        digest = hashlib.sha256()
-        while chunk := os.read(fd, 1 << 16):
-            digest.update(chunk)
-        return digest.hexdigest(), None
-    except OSError as e:
-        return None, f"{path} cannot be read: {e.strerror or e}"
-    finally:
-        os.close(fd)
-
-
-_INTEL_LIB_RE = re.compile(r"/libintelocl\.so(?:\.[0-9.]+)?$")
-
-
-def intel_library_dirs(maps: str = "/proc/self/maps") -> set[str] | None:
-    """The folders of the ``libintelocl.so`` mapped into this process (Intel's runtime finds
-    its own ``cl.cfg`` the same way: it reads ``/proc/self/maps``), or ``None`` where the
-    map cannot be read (no ``/proc``)."""
-    try:
-        with open(maps, encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    dirs = set()
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and _INTEL_LIB_RE.search(fields[5]):
-            dirs.add(os.path.dirname(fields[5]))
-    return dirs
-
-
-def intel_cl_cfg(maps: str = "/proc/self/maps") -> tuple[dict[str, str], str | None]:
-    """``({INTEL_CL_CFG: digest}, None)`` of the ``cl.cfg`` that Intel's CPU runtime reads,
-    or why it cannot be known. Intel opens ``cl.cfg`` in the working folder first, then
-    beside its library (strace, 2026.2.0); neither there: its built-in defaults
-    (``"none"``). Something there that is not a readable regular file: unknown."""
-    digest, why = _regular_file_digest("cl.cfg")
-    if why is not None or digest is not None:
-        return {INTEL_CL_CFG: digest if why is None else f"unknown: {why}"}, why
-    dirs = intel_library_dirs(maps)
-    if not dirs:
-        why = ("its library does not show in /proc/self/maps" if dirs is not None
-               else "/proc/self/maps cannot be read")
-        why = f"which cl.cfg Intel's CPU runtime reads is unknown: {why}"
-        return {INTEL_CL_CFG: f"unknown: {why}"}, why
-    if len(dirs) > 1:
-        why = f"Intel's CPU runtime is loaded from several folders {sorted(dirs)}"
-        return {INTEL_CL_CFG: f"unknown: {why}"}, why
-    digest, why = _regular_file_digest(os.path.join(dirs.pop(), "cl.cfg"))
-    if why is not None:
-        return {INTEL_CL_CFG: f"unknown: {why}"}, why
-    return {INTEL_CL_CFG: "none" if digest is None else digest}, None
-
-
-_INTEL_SETTINGS = DriverSettings(
-    # Measured: CL_CONFIG_CPU_TARGET_ARCH, _USE_VECTORIZER, _CPU_VECTORIZER_MODE, _USE_VTUNE,
-    # _USE_FAST_RELAXED_MATH and _CPU_FORCE_MAX_WORK_GROUP_SIZE change the binary; cl.cfg
-    # documents more (loop unrolling, streaming stores, memory optimizations...).
-    prefixes=("CL_CONFIG_",),
-    # Threads and logging: the same binary bytes measured with each (2026.2.0); the dumps
-    # only write copies of what was built into the working folder.
-    not_code=frozenset({
-        "CL_CONFIG_CPU_TBB_NUM_WORKERS", "CL_CONFIG_LOG_FILE", "CL_CONFIG_USER_LOGGER",
-        "CL_CONFIG_DUMP_BIN", "CL_CONFIG_DUMP_ASM", "CL_CONFIG_DUMP_DISASSEMBLY",
-        "CL_CONFIG_DUMP_IR_AFTER_OPTIMIZER", "CL_CONFIG_DUMP_IR_BEFORE_OPTIMIZER",
-        "CL_CONFIG_DUMP_FILE_NAME_PREFIX",
-    }),
-    files=intel_cl_cfg,
-)
-
-_MESA_SETTINGS = DriverSettings(
-    # llvmpipe (LP_*), its JIT (GALLIVM_*), gallium's (GALLIUM_NOSSE, GALLIUM_OVERRIDE_CPU_CAPS:
-    # the CPU features code is made for), Mesa's (MESA_SPIRV_FORCE_UNSTRUCTURED...), rusticl's
-    # (RUSTICL_FEATURES, RUSTICL_DEBUG, RUSTICL_CL_VERSION), and the GPU drivers rusticl runs on
-    # (AMD_DEBUG, INTEL_DEBUG's SIMD widths, ZINK_DEBUG, NV50_PROG_*, ...).
-    prefixes=("LP_", "GALLIVM_", "GALLIUM_", "MESA_", "RUSTICL_", "AMD_", "RADEON_", "R600_", "ACO_",
-              "INTEL_", "IRIS_", "ZINK_", "NOUVEAU_", "NV50_", "NAK_"),
-    not_code=frozenset({
-        # Where Mesa's shader cache goes and which backend it uses (mesa_env.py): a new node
-        # with another folder must hit; whether the cache is stored is the entry's kind.
-        "MESA_SHADER_CACHE_DIR", "MESA_GLSL_CACHE_DIR", "MESA_SHADER_CACHE_MAX_SIZE",
-        "MESA_GLSL_CACHE_MAX_SIZE", "MESA_SHADER_CACHE_DISABLE", "MESA_GLSL_CACHE_DISABLE",
-        "MESA_DISK_CACHE_SINGLE_FILE", "MESA_DISK_CACHE_DATABASE", "MESA_DISK_CACHE_MULTI_FILE",
-        "MESA_DISK_CACHE_DATABASE_NUM_PARTS", "MESA_DISK_CACHE_DATABASE_EVICTION_SCORE_2X_PERIOD",
-        "MESA_DISK_CACHE_READ_ONLY_FOZ_DBS", "MESA_DISK_CACHE_READ_ONLY_FOZ_DBS_DYNAMIC_LIST",
-        "MESA_DISK_CACHE_COMBINE_RW_WITH_RO_FOZ", "MESA_SHADER_CACHE_SHOW_STATS",
-        # Logging and dumps: MESA_DEBUG's flags are the GL state tracker's (silent, flush,
-        # incomplete_tex, context...), never read on rusticl's path.
-        "MESA_DEBUG", "MESA_LOG", "MESA_LOG_FILE", "MESA_LOG_PREFIX", "MESA_SPIRV_LOG_LEVEL",
-        "MESA_SPIRV_FAIL_DUMP_PATH", "MESA_SPIRV_DUMP_PATH", "GALLIUM_PRINT_OPTIONS",
-        "GALLIUM_DUMP_CPU", "GALLIUM_LOG_FILE", "GALLIUM_HUD", "GALLIUM_HUD_DUMP_DIR",
-        "GALLIUM_HUD_PERIOD", "GALLIUM_HUD_SCALE", "GALLIUM_HUD_SHARE", "GALLIUM_HUD_TOGGLE_SIGNAL",
-        "GALLIUM_HUD_VISIBLE",
-        # Threads: llvmpipe's rasterizer and compute threads, gallium's threaded context.
-        "LP_NUM_THREADS", "GALLIUM_THREAD",
-        # Which devices rusticl shows: their identity is in the key.
-        "RUSTICL_ENABLE",
-    }),
-)
-
-_NVIDIA_SETTINGS = DriverSettings(
-    # The JIT of PTX: CUDA_FORCE_PTX_JIT, CUDA_DISABLE_PTX_JIT, CUDA_FORCE_JIT, ...
-    prefixes=("CUDA_",),
-    not_code=frozenset({
-        # Where the compute cache goes, its size, whether it is on (cuda_env.py; the entry's
-        # kind tells whether it is stored): a new node with another folder must hit.
-        "CUDA_CACHE_PATH", "CUDA_CACHE_MAXSIZE", "CUDA_CACHE_DISABLE",
-        # Which devices, in which order: their identity is in the key, and these differ per rank.
-        "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
-        # Launches and queues, not compiles; MPS's folders differ per job.
-        "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MPS_PIPE_DIRECTORY",
-        "CUDA_MPS_LOG_DIRECTORY",
-    }),
-)
-
-#: Per OpenCL platform name: what of the environment (and which files) changes its code.
-#: A platform not listed: its identity (driver version) is in the key, its settings are not.
-DRIVER_SETTINGS: dict[str, DriverSettings] = {
-    POCL_PLATFORM_NAME: DriverSettings(("POCL_",), POCL_NOT_CODE, at_start=False),
-    **dict.fromkeys(INTEL_CPU_PLATFORM_NAMES, _INTEL_SETTINGS),
-    RUSTICL_PLATFORM_NAME: _MESA_SETTINGS,
-    "Clover": _MESA_SETTINGS,
-    NVIDIA_PLATFORM_NAME: _NVIDIA_SETTINGS,
-}
 
 _started_lock = threading.Lock()
 _started: dict[str, tuple[dict[str, str], str | None]] = {}
 
 
-def _platform_settings(platform: str, table: DriverSettings) -> tuple[dict[str, str], str | None]:
+def _platform_settings(platform: str, table: Settings) -> tuple[dict[str, str], str | None]:
     if table.at_start:
         with _started_lock:
             kept = _started.get(platform)
@@ -459,16 +266,16 @@ def settings_of(devices: Sequence[cl.Device]) -> tuple[dict[str, str], str | Non
 
     out: dict[str, str] = {}
     doubt = None
-    for platform in dict.fromkeys(d.platform.name for d in devices):
-        table = DRIVER_SETTINGS.get(platform)
-        if table is not None:
-            got, why = _platform_settings(platform, table)
+    for name in dict.fromkeys(d.platform.name for d in devices):
+        platform = platforms.find(name)
+        if platform is not None and platform.settings is not None:
+            got, why = _platform_settings(name, platform.settings)
             out.update(got)
             doubt = doubt or why
-    if "CUDA_HOME" in os.environ and any(
-            d.platform.name == POCL_PLATFORM_NAME and not d.type & cl.device_type.CPU for d in devices):
-        # pocl's CUDA device takes libdevice from there (F24), and pocl's own hash misses it.
-        out["CUDA_HOME"] = os.environ["CUDA_HOME"]
+    for d in devices:
+        platform = platforms.find(d.platform.name)
+        if platform is not None and platform.settings is not None and platform.settings.per_device is not None:
+            out.update(platform.settings.per_device(d, os.environ))
     if any(d.type & cl.device_type.CPU for d in devices):
         out["host_cpu"] = host_cpu_features()
     return out, doubt
@@ -477,14 +284,13 @@ def settings_of(devices: Sequence[cl.Device]) -> tuple[dict[str, str], str | Non
 def code_settings(devices: Sequence[cl.Device]) -> dict[str, str]:
     """Settings outside the source and options that change the generated code.
 
-    Per platform (:data:`DRIVER_SETTINGS`): pocl's ``POCL_*`` but :data:`POCL_NOT_CODE`
-    (``POCL_EXTRA_BUILD_FLAGS``, ``POCL_LLVM_CPU_NAME``, ``POCL_WORK_GROUP_METHOD``, ...),
-    read at every call as pocl reads them at every build; Intel's CPU runtime's
-    ``CL_CONFIG_*`` and the digest of its ``cl.cfg``; Mesa's (rusticl) and NVIDIA's
-    variables that change their code. All but pocl's are read once per process, at the
-    first call, as the drivers read them once when they start. CPU devices: the host CPU's
-    features, since two hosts can report the same LLVM CPU name with different features
-    (a VM masks some). Thread-safe.
+    Per platform (:attr:`.platform.Platform.settings`, in :mod:`.platforms`): the
+    variables with its prefixes but those known not to change code, and the files it
+    reads as settings (Intel's ``cl.cfg``). pocl's are read at every call, as pocl reads
+    them at every build; the others once per process, at the first call, as the drivers
+    read them once when they start. Settings only some devices read (pocl's CUDA device).
+    CPU devices: the host CPU's features, since two hosts can report the same LLVM CPU
+    name with different features (a VM masks some). Thread-safe.
     """
     return settings_of(devices)[0]
 
@@ -494,12 +300,10 @@ def code_settings(devices: Sequence[cl.Device]) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def host_cpu_features() -> str:
-    """A digest of the host CPU's model and feature flags (``/proc/cpuinfo``), or
-    ``unknown``. Read once per process."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            text = f.read()
-    except OSError:
+    """A digest of the host CPU's model and feature flags (:func:`.system.cpu_description`),
+    or ``unknown`` where the system does not say. Read once per process."""
+    text = system.cpu_description()
+    if text is None:
         return "unknown"
     # The same for every core: one core's lines (the first time each key is seen).
     seen: dict[bytes, bytes] = {}
@@ -707,7 +511,7 @@ def make_key(
     folder = None if source_dir is None else os.path.realpath(source_dir)
     if uncertain is None:
         try:
-            _check_search_options(options, os.environ.get("POCL_EXTRA_BUILD_FLAGS", "").encode())
+            _check_search_options(options, *platforms.extra_options(os.environ))
             deps = find_include_deps(source, path, source_dir=folder, source_dir_doubt=source_dir_doubt)
         except UncertainIncludes as e:
             uncertain = str(e)

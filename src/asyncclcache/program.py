@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -20,13 +19,11 @@ from typing import Any
 
 import pyopencl as cl
 
-from . import _pyopencl, pocl_env
+from . import _pyopencl, platforms
 from ._pyopencl import PYOPENCL_BUILD
 from .cache import Cache, default_cache
-from .cuda_env import NVIDIA_PLATFORM_NAME
 from .drivers import Build, Job
-from .keys import POCL_PLATFORM_NAME, make_key
-from .mesa_env import RUSTICL_PLATFORM_NAME
+from .keys import make_key
 
 __all__ = ["Program", "install", "installed", "is_installed", "uninstall"]
 
@@ -81,7 +78,7 @@ def _build_of(
     source = _pyopencl.unbuilt_source(prg)
     assert source is not None
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
-    folder, doubt = _source_folder(devs, options_bytes)
+    folder, doubt = platforms.source_folder(devs, options_bytes, Job.caller_cwd())
     if doubt is not None and include_path[:1] == ["."]:
         # pyopencl's "." stands for the folder beside the source: the doubt is about it.
         include_path = include_path[1:]
@@ -97,28 +94,6 @@ def _build_of(
         from_binaries=lambda binaries: _pyopencl.built_from_binaries(context, devs, binaries, options_bytes),
         describe=lambda program: (_pyopencl.build_logs(program), _pyopencl.kernel_names(program)),
     )
-
-
-def _source_folder(devices: Sequence[cl.Device], options: bytes) -> tuple[str | None, str | None]:
-    """Where the compiler looks first for the source's own ``#include "..."`` (keys.py),
-    and a doubt about it, or ``None``. (Then pyopencl's include path: ``.`` and the ``-I``
-    folders, the order pocl, NVIDIA and rusticl were measured to search.)"""
-    platforms = {d.platform.name for d in devices}
-    if platforms == {POCL_PLATFORM_NAME}:
-        # pocl compiles its copy of the source in its cache directory.
-        folder = pocl_env.source_dir()
-        return (None if folder is None else str(folder)), None
-    cwd = Job.caller_cwd()
-    if platforms == {NVIDIA_PLATFORM_NAME}:
-        # Its compute cache sees a header's content (docs/design.md F19; benchmarks/probe/nvrules.py).
-        return cwd, None
-    if platforms == {RUSTICL_PLATFORM_NAME}:
-        if re.search(rb"(?:^|\s)-I", options):
-            return cwd, None  # pyopencl always adds one: then Mesa 22.3 and 26.1 see headers
-        return cwd, ("with no -I option, Mesa's shader cache keys rusticl's front end on the source and "
-                     "options, not the header (docs/design.md F20)")
-    return cwd, (f"whether {' and '.join(sorted(platforms))} looks for it in the working directory "
-                 "was not measured")
 
 
 def _replay_logs(logs: Sequence[str], devices: Sequence[cl.Device]) -> None:

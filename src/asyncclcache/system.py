@@ -7,14 +7,17 @@ Each sits behind a probe of what is there (never ``sys.platform``) and has a fal
   ``getppid`` (:func:`die_with_parent`, :func:`death_signal_available`);
 - idle-time sampling: ``/proc/stat`` and a process's own ticks, else ``None``
   (:func:`cpu_sample`);
-- the shared libraries loaded here: ``/proc/self/maps``, else ``None`` (:func:`loaded_library`);
+- the shared libraries loaded here: ``/proc/self/maps``, else ``None`` (:func:`loaded_library`,
+  :func:`mapped_files`);
+- the host CPU's model and features: ``/proc/cpuinfo``, else ``None`` (:func:`cpu_description`);
 - starting a helper process (:func:`start_helper`), and the private temporary folders
   of helpers, removed by their owner or, once the owner is gone, by the next one
   (:func:`private_folder`).
 
 Linux has them all; macOS has none of ``/proc``, ``SCHED_IDLE`` and ``prctl``. For tests
 only: ``ASYNCCLCACHE_TEST_NO_OS_FACILITIES=1`` makes every probe answer "not here" (nice
-stays: macOS has it), in this process and in every helper it starts.
+stays: macOS has it; so do the two reads a key holds), in this process and in every
+helper it starts.
 
 Thread-safe; :func:`die_with_parent` is for a helper's own start-up.
 """
@@ -39,12 +42,14 @@ from typing import IO, Any
 
 __all__ = [
     "NOT_HERE_ENV",
+    "cpu_description",
     "cpu_sample",
     "death_signal_available",
     "die_with_parent",
     "kill_helper",
     "loaded_library",
     "lower_priority",
+    "mapped_files",
     "private_folder",
     "start_helper",
 ]
@@ -187,6 +192,30 @@ def loaded_library(prefix: str) -> str | None:
     except OSError:
         pass
     return None
+
+
+def mapped_files(maps: str = "/proc/self/maps") -> list[str] | None:
+    """The paths of the files mapped into this process (``maps``), or ``None`` where the
+    system does not say (no ``/proc``). A key's input (:mod:`.platforms.intel`): the test
+    switch leaves it, as :func:`cpu_description`."""
+    try:
+        with open(maps, encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    return [fields[5] for fields in (line.split(maxsplit=5) for line in lines) if len(fields) == 6]
+
+
+def cpu_description() -> bytes | None:
+    """What the system says of the host CPU (``/proc/cpuinfo``: model, features, per
+    core), or ``None`` where it does not say. A key's input: the test switch leaves it
+    (a job and a bake of its entries, one run with the switch and one without, must
+    compute the same keys); the fallback is tested with the probe replaced."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 # }}}

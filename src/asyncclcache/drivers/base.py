@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from .. import platforms
+
 if TYPE_CHECKING:
     import pyopencl as cl
 
@@ -88,7 +90,7 @@ class Job:
     #: The caller's working directory at the build, where relative ``-I`` folders and a
     #: quoted ``#include`` resolve (``None``: unknown, so no other process may rebuild it).
     cwd: str | None = None
-    #: The caller's ``POCL_*`` variables at the build: the settings its key holds
+    #: The caller's variables read at every build (:meth:`caller_environ`): the settings its key holds
     #: (``None``: not taken; the driver reads the environment when it needs them).
     environ: dict[str, str] | None = None
 
@@ -111,9 +113,10 @@ class Job:
 
     @staticmethod
     def caller_environ() -> dict[str, str]:
-        """A copy of the ``POCL_*`` environment variables (what :func:`~asyncclcache.keys.code_settings`
-        reads). Cheap: one pass over ``os.environ``."""
-        return {k: v for k, v in os.environ.items() if k.startswith("POCL_")}
+        """A copy of the environment variables that a driver reads at every build (pocl's:
+        :func:`.platforms.per_build`), which a rebuild elsewhere must see as the caller did.
+        Cheap: one pass over ``os.environ``."""
+        return platforms.per_build(os.environ)
 
 
 class PerJob(Generic[T]):

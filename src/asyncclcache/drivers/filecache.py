@@ -41,7 +41,6 @@ import itertools
 import logging
 import math
 import os
-import re
 import stat
 import threading
 import time
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from ..fileio import InsecurePathError
 from ..fsclock import FsClock, clock_for
+from ..platform import Layout
 from .background import BackgroundDriver, Waiting
 from .base import Build, Done, Hit, HitOutcome, Job, Lost, Snapshot
 from .cachefiles import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trusted_dir, untrusted
@@ -60,7 +60,7 @@ from .cachefiles import MAX_ENTRY_BYTES, MAX_FILES, read_trusted, restore, trust
 if TYPE_CHECKING:
     from ..entry import Entry
 
-__all__ = ["MESA", "NVIDIA", "FileCacheDriver", "Layout", "added_files"]
+__all__ = ["FileCacheDriver", "added_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,33 +74,6 @@ BATCH_SECONDS = 0.5
 #: listed back this far, so that whether a file lies in a window never depends on which
 #: window the scan was made for (measured: 10 of 200 entries rewritten at exit without it).
 DIR_SLACK = 2.0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One driver's content-addressed cache: how its item files are named."""
-
-    name: str
-    #: What to call it in messages.
-    what: str
-    #: The relative path of an item file (``/``-separated); nothing else is stored.
-    pattern: re.Pattern[str]
-    #: Directory levels above an item file.
-    depth: int
-    #: Seconds after a build to wait for files the driver writes later.
-    settle: float
-    #: Seconds a hurried snapshot or check still waits: what the driver hands to a writer
-    #: thread of its own (Mesa's ``disk_cache_put`` queue) lands a little after the launch.
-    grace: float = 0.0
-
-    def valid(self, rel: str) -> bool:
-        return self.pattern.fullmatch(rel) is not None
-
-
-#: ``<x>/<y>/<14 hex>`` on driver 580, and a shared ``index`` (left out; made again).
-NVIDIA = Layout("nvidia", "NVIDIA's compute cache", re.compile(r"[0-9a-f]/[0-9a-f]/[0-9a-f]{8,64}"), 2, 0.5)
-#: ``<xx>/<38 hex>`` (Mesa 22.3) or ``<xx>/<62 hex>`` (Mesa 26.1), ``*.tmp`` while written.
-MESA = Layout("mesa", "Mesa's shader cache", re.compile(r"[0-9a-f]{2}/[0-9a-f]{30,126}"), 1, 3.0, 0.3)
 
 
 def added_files(root: Path, layout: Layout, lo: float) -> dict[str, float]:
@@ -237,8 +210,9 @@ class FileCacheDriver(BackgroundDriver):
     """Snapshots a content-addressed driver cache on one background thread. Thread-safe.
 
     ``root`` is the cache's directory as the driver found it when it started
-    (:func:`asyncclcache.cuda_env.locate`, :func:`asyncclcache.mesa_env.locate`),
-    fixed for the driver's life, as the driver keeps it.
+    (:attr:`.platform.Platform.locate`), and ``layout`` how it names its files (the
+    platform's, :mod:`asyncclcache.platforms`); ``root`` is fixed for the driver's life,
+    as the driver keeps it.
     """
 
     kind = "kcache"
@@ -250,7 +224,7 @@ class FileCacheDriver(BackgroundDriver):
     def __init__(self, root: Path, layout: Layout) -> None:
         self.root = root
         self.layout = layout
-        self.name = f"kcache-{layout.name}"
+        self.name = layout.strategy
         self.settle_seconds = layout.settle
         self.clock = FsClock(root)  # unmeasured (the worst case) until the thread measures
         super().__init__()

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _pyopencl
 from ..fsclock import EPS, FsClock, clock_for
+from ..platforms import pocl
 from .background import BackgroundDriver, Waiting
 from .base import Build, Done, Hit, HitOutcome, Job, Lost, PerJob, Snapshot
 from .cachefiles import restore, unrestore
@@ -66,7 +67,7 @@ __all__ = ["KcacheDriver"]
 logger = logging.getLogger(__name__)
 
 #: Outside a step, snapshot at the latest this long after the build.
-SETTLE_SECONDS = 3.0
+SETTLE_SECONDS = pocl.LAYOUT.settle
 POLL_SECONDS = 0.2
 #: At most one walk of every folder of pocl's cache this often (a large cache: many stats).
 FULL_SCAN_SECONDS = 1.0
@@ -97,7 +98,7 @@ class KcacheDriver(BackgroundDriver):
     """Snapshots pocl's kernel-cache folders on one background thread. Thread-safe.
 
     ``root`` is pocl's kernel cache directory as pocl found it when it started
-    (:func:`asyncclcache.pocl_env.kernel_cache_dir`), fixed for the driver's life.
+    (:func:`asyncclcache.platforms.pocl.kernel_cache_dir`), fixed for the driver's life.
     """
 
     name = "kcache"

@@ -32,7 +32,8 @@ from typing import IO
 from .. import fsclock, system
 from ..errors import HelperError
 from ..fileio import CLOEXEC, NONBLOCK
-from ..keys import IncludeDep, pocl_code_settings
+from ..keys import IncludeDep
+from ..platforms import pocl as pocl_platform
 from . import _wire
 from .base import Done, Driver, Dropped, Job, Lost, PerJob, Purpose, Snapshot
 from .poclcache import (
@@ -75,9 +76,10 @@ class _Asked:
 
 
 def _helper_env(pocl: Mapping[str, str]) -> dict[str, str]:
-    """The helper's environment: ours, with the job's ``POCL_*`` settings, and without
-    ``ASYNCCLCACHE_*`` (else it would install a cache in itself and print a summary)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ASYNCCLCACHE_", "POCL_"))}
+    """The helper's environment: ours, with the job's pocl settings instead of ours, and
+    without ``ASYNCCLCACHE_*`` (else it would install a cache in itself and print a summary)."""
+    drop = ("ASYNCCLCACHE_", *pocl_platform.SETTINGS.prefixes)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(pocl)
     return env
 
@@ -130,7 +132,7 @@ class HelperDriver(Driver):
         req_r, req_w = os.pipe()
         ans_r, ans_w = os.pipe()
         try:
-            # The job's POCL_* settings: pocl computes the same hash, compiles the same code.
+            # The job's pocl settings: pocl computes the same hash, compiles the same code.
             # A session of its own: a Ctrl-C is for the program only; it still dies with us.
             proc = system.start_helper(_HELPER_MAIN, [str(req_r), str(ans_w)], env=_helper_env(pocl),
                                        pass_fds=(req_r, ans_w))
@@ -178,7 +180,7 @@ class HelperDriver(Driver):
     def _helper_for(self, job: Job) -> subprocess.Popen[bytes]:
         """A running helper with the job's code settings (client thread)."""
         pocl = job.environ if job.environ is not None else Job.caller_environ()
-        code = pocl_code_settings(pocl)
+        code = pocl_platform.SETTINGS.select(pocl)
         proc = self._proc
         if proc is not None and proc.poll() is None:
             if code == self._code:

@@ -1,9 +1,10 @@
-"""pocl's kernel cache, as pocl lays it out: the one module that knows its names.
+"""pocl's kernel cache, the mechanisms: finding a build's folder, snapshots, whether a
+restore was used. Its names and layout are pocl's record's
+(:data:`asyncclcache.platforms.pocl.LAYOUT`).
 
-pocl keeps each program it builds at ``<POCL_CACHE_DIR>/<XX>/<hash>/``: ``program.bc``,
-``last_accessed`` and ``<kernel>/<variant>/<kernel>.so`` (``.so.o`` on pocl's JIT) for
-every variant launched; the generic variant (``0-0-0...``) comes from binary queries.
-Every build of the program touches ``last_accessed`` (docs/design.md F15). Here: which
+pocl keeps each program it builds in a folder of its own, with its bitcode, a file that
+every build of the program touches, and a folder per kernel and variant launched; the
+generic variant comes from binary queries (docs/design.md F15). Here: which
 names an entry may hold (:func:`valid_file`), which folder a build touched
 (:func:`candidates`, :func:`choose`, :func:`mark`/:func:`moved`), whether its launches
 are done (:func:`ready`), what a folder holds (:func:`folder_files`, :func:`listing`)
@@ -20,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import pocl_env
 from ..fileio import InsecurePathError
 from ..fsclock import FsClock, clock_for
+from ..platforms import pocl
 from .base import Lost, Snapshot
 from .cachefiles import MAX_ENTRY_BYTES, MAX_FILES, TMP_PREFIX, read_trusted, trusted_dir, untrusted
 
@@ -59,32 +59,26 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LAST_ACCESSED = "last_accessed"
+_LAYOUT = pocl.LAYOUT
+#: The file every build of the program touches (never stored).
+LAST_ACCESSED = pocl.TOUCHED_FILE
+_PROGRAM = pocl.PROGRAM_FILE
+_GENERIC = pocl.GENERIC_PREFIX
 #: Touches this much (plus a tick) before the end of our build belong to other builds.
 CLOSE = 0.05
-# pocl's hash is SHA-1 in letters (A-P), cut as <2>/<38>; allow some leeway, nothing odd.
-_FOLDER_RE = (re.compile(r"[A-Za-z0-9]{2}"), re.compile(r"[A-Za-z0-9]{8,128}"))
-# A kernel name, a variant (``64-1-1-goffs0-smallgrid``) or a file; never ``.``/``..``.
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 
 
 def kernel_cache_dir() -> Path | None:
     """pocl's kernel cache directory, as pocl finds it; ``None`` when pocl's cache is off
-    (:func:`asyncclcache.pocl_env.kernel_cache_dir`)."""
-    return pocl_env.kernel_cache_dir()
+    (:func:`asyncclcache.platforms.pocl.kernel_cache_dir`)."""
+    return pocl.kernel_cache_dir()
 
 
 def valid_file(rel: str) -> bool:
     """True for ``XX/<hash>/<name>`` and ``XX/<hash>/<kernel>/<variant>/<name>``-like
-    paths of pocl's kernel cache: plain names, no ``..``, no absolute path, no temp
-    file of ours."""
-    parts = rel.split("/")
-    if not 3 <= len(parts) <= 6:
-        return False
-    if not (_FOLDER_RE[0].fullmatch(parts[0]) and _FOLDER_RE[1].fullmatch(parts[1])):
-        return False
-    names_ok = all(_NAME_RE.fullmatch(p) for p in parts[2:])
-    return names_ok and not parts[-1].startswith(TMP_PREFIX)
+    paths of pocl's kernel cache (:meth:`~asyncclcache.platform.Layout.valid`): plain
+    names, no ``..``, no absolute path, no temp file of ours."""
+    return _LAYOUT.valid(rel) and not rel.rsplit("/", 1)[-1].startswith(TMP_PREFIX)
 
 
 def generic(rel: str) -> bool:
@@ -92,7 +86,7 @@ def generic(rel: str) -> bool:
     or unpacked from a binary, never by a launch; no launch needs it where the specialized
     variant is there."""
     parts = rel.split("/")
-    return len(parts) >= 5 and parts[3].startswith("0-0-0")
+    return len(parts) >= 5 and parts[3].startswith(_GENERIC)
 
 
 def lacks(held: Iterable[str], files: Iterable[str]) -> bool:
@@ -253,14 +247,14 @@ def ready(root: Path, folders: Sequence[str], kernels: Sequence[str], since: flo
 
 
 def _new_variant(kdir: Path, kernel: str, since: float) -> bool:
-    # The compiled file of a variant: pocl names it <kernel>.so, and on its JIT (pocl 7.2)
-    # <kernel>.so.o; the work-group function's parallel.bc comes before it (pocl 7.1).
+    # The compiled file of a variant: its name depends on the release (the layout's record);
+    # files written before it (pocl 7.1's parallel.bc) do not count.
     try:
         with os.scandir(kdir) as variants:
             for v in variants:
                 with contextlib.suppress(OSError), os.scandir(v.path) as files:
                     for f in files:
-                        if (f.name.startswith(f"{kernel}.") and not f.name.endswith(".bc")
+                        if (f.name.startswith(f"{kernel}.") and not f.name.endswith(_LAYOUT.unfinished)
                                 and f.stat(follow_symlinks=False).st_mtime >= since):
                             return True
     except OSError:
@@ -329,7 +323,7 @@ def folder_files(root: Path, folders: Sequence[str]) -> Snapshot:
             continue
         except OSError:
             continue  # removed or replaced meanwhile
-        if not any(rel.endswith("/program.bc") for rel, _ in data):
+        if not any(rel.endswith(f"/{_PROGRAM}") for rel, _ in data):
             continue
         kept.append(folder)
         for rel, blob in data:
@@ -412,7 +406,7 @@ def _variant_times(program_dir: str | Path) -> list[tuple[str, float]]:
         if not kernel.is_dir(follow_symlinks=False):
             continue
         for variant in os.scandir(kernel.path):
-            if variant.is_dir(follow_symlinks=False) and not variant.name.startswith("0-0-0"):
+            if variant.is_dir(follow_symlinks=False) and not variant.name.startswith(_GENERIC):
                 out.append((kernel.name, variant.stat(follow_symlinks=False).st_mtime))
     return out
 

@@ -1,9 +1,11 @@
-"""Where Mesa keeps its shader cache for rusticl, as Mesa finds it (docs/design.md F20).
+"""Mesa's OpenCL, rusticl (and Clover, which shares Mesa's settings): everything the
+package knows of it.
 
-Copied from Mesa's ``disk_cache_enabled``, ``disk_cache_create`` and
-``disk_cache_generate_cache_dir`` (``src/util/disk_cache*.c``, Mesa 22.3) and
-``debug_get_bool_option`` (``src/util/u_debug.c``), and checked against Mesa 26.1 by
-running it (``benchmarks/probe/mesarules.sh``):
+**Its shader cache** for rusticl (:func:`locate`, docs/design.md F20), copied from Mesa's
+``disk_cache_enabled``, ``disk_cache_create`` and ``disk_cache_generate_cache_dir``
+(``src/util/disk_cache*.c``, Mesa 22.3) and ``debug_get_bool_option``
+(``src/util/u_debug.c``), and checked against Mesa 26.1 by running it
+(``benchmarks/probe/mesarules.sh``):
 
 * Off when the effective user is not the real one, or when ``MESA_SHADER_CACHE_DISABLE``
   (where unset, ``MESA_GLSL_CACHE_DISABLE``) is true. Mesa's booleans: ``1 y yes t true``
@@ -22,11 +24,17 @@ running it (``benchmarks/probe/mesarules.sh``):
   ``MESA_GLSL_CACHE_DIR``), else ``$XDG_CACHE_HOME/mesa_shader_cache``, else
   ``<home>/.cache/mesa_shader_cache``. Mesa 22.3 takes that home from the password
   database and Mesa 26.1 from ``HOME``: where the two differ, the place is unknown.
-  Inside: ``<xx>/<rest of the hex key>`` (38 hex digits in 22.3, 62 in 26.1), written
-  as ``<name>.tmp`` and renamed, and an ``index`` file Mesa makes again when missing.
+  Inside: ``<xx>/<rest of the hex key>`` (:data:`LAYOUT`), written as ``<name>.tmp`` and
+  renamed, and an ``index`` file Mesa makes again when missing.
 
-Unknown means: store the binary instead, with the reason (:func:`locate`). Pure
-functions of the environment (and the password database): thread- and process-safe.
+Unknown means: store the binary instead, with the reason. **Its include rule**: the
+working directory, where the build has a ``-I`` option (pyopencl always adds one); without,
+Mesa's shader cache keys the front end on the source and options, not the header: a
+doubt. **Its settings** (:data:`SETTINGS`): llvmpipe's, gallium's, Mesa's, rusticl's and
+those of the GPU drivers rusticl runs on. **What auto picks**: its shader cache
+(``kcache-mesa``) where it is on, one file per item and known, else ``thread``.
+
+Pure functions of the environment (and the password database): thread- and process-safe.
 """
 
 from __future__ import annotations
@@ -34,12 +42,29 @@ from __future__ import annotations
 import os
 import pwd
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["MULTI_FILE_DEFAULT", "RUSTICL_PLATFORM_NAME", "locate", "mesa_bool", "mesa_release"]
+from ..platform import Layout, Platform, Settings
 
-RUSTICL_PLATFORM_NAME = "rusticl"
+if TYPE_CHECKING:
+    import pyopencl as cl
+
+__all__ = [
+    "CLOVER",
+    "LAYOUT",
+    "MULTI_FILE_DEFAULT",
+    "NAME",
+    "PLATFORM",
+    "SETTINGS",
+    "locate",
+    "mesa_bool",
+    "mesa_release",
+]
+
+NAME = "rusticl"
+CLOVER_NAME = "Clover"
 CACHE_DIR_NAME = "mesa_shader_cache"
 
 #: Whether Mesa keeps one file per item unless told otherwise, per release (major, minor), as
@@ -117,3 +142,65 @@ def locate(
         return None, (f"HOME ({home!r}) is not the home directory of the password database ({db_home!r}): "
                       "Mesa 22.3 reads one, Mesa 26 the other")
     return Path(db_home) / ".cache" / CACHE_DIR_NAME, ""
+
+
+SETTINGS = Settings(
+    # llvmpipe (LP_*), its JIT (GALLIVM_*), gallium's (GALLIUM_NOSSE, GALLIUM_OVERRIDE_CPU_CAPS:
+    # the CPU features code is made for), Mesa's (MESA_SPIRV_FORCE_UNSTRUCTURED...), rusticl's
+    # (RUSTICL_FEATURES, RUSTICL_DEBUG, RUSTICL_CL_VERSION), and the GPU drivers rusticl runs on
+    # (AMD_DEBUG, INTEL_DEBUG's SIMD widths, ZINK_DEBUG, NV50_PROG_*, ...).
+    prefixes=("LP_", "GALLIVM_", "GALLIUM_", "MESA_", "RUSTICL_", "AMD_", "RADEON_", "R600_", "ACO_",
+              "INTEL_", "IRIS_", "ZINK_", "NOUVEAU_", "NV50_", "NAK_"),
+    not_code=frozenset({
+        # Where Mesa's shader cache goes and which backend it uses (locate): a new node
+        # with another folder must hit; whether the cache is stored is the entry's kind.
+        "MESA_SHADER_CACHE_DIR", "MESA_GLSL_CACHE_DIR", "MESA_SHADER_CACHE_MAX_SIZE",
+        "MESA_GLSL_CACHE_MAX_SIZE", "MESA_SHADER_CACHE_DISABLE", "MESA_GLSL_CACHE_DISABLE",
+        "MESA_DISK_CACHE_SINGLE_FILE", "MESA_DISK_CACHE_DATABASE", "MESA_DISK_CACHE_MULTI_FILE",
+        "MESA_DISK_CACHE_DATABASE_NUM_PARTS", "MESA_DISK_CACHE_DATABASE_EVICTION_SCORE_2X_PERIOD",
+        "MESA_DISK_CACHE_READ_ONLY_FOZ_DBS", "MESA_DISK_CACHE_READ_ONLY_FOZ_DBS_DYNAMIC_LIST",
+        "MESA_DISK_CACHE_COMBINE_RW_WITH_RO_FOZ", "MESA_SHADER_CACHE_SHOW_STATS",
+        # Logging and dumps: MESA_DEBUG's flags are the GL state tracker's (silent, flush,
+        # incomplete_tex, context...), never read on rusticl's path.
+        "MESA_DEBUG", "MESA_LOG", "MESA_LOG_FILE", "MESA_LOG_PREFIX", "MESA_SPIRV_LOG_LEVEL",
+        "MESA_SPIRV_FAIL_DUMP_PATH", "MESA_SPIRV_DUMP_PATH", "GALLIUM_PRINT_OPTIONS",
+        "GALLIUM_DUMP_CPU", "GALLIUM_LOG_FILE", "GALLIUM_HUD", "GALLIUM_HUD_DUMP_DIR",
+        "GALLIUM_HUD_PERIOD", "GALLIUM_HUD_SCALE", "GALLIUM_HUD_SHARE", "GALLIUM_HUD_TOGGLE_SIGNAL",
+        "GALLIUM_HUD_VISIBLE",
+        # Threads: llvmpipe's rasterizer and compute threads, gallium's threaded context.
+        "LP_NUM_THREADS", "GALLIUM_THREAD",
+        # Which devices rusticl shows: their identity is in the key.
+        "RUSTICL_ENABLE",
+    }),
+)
+
+#: ``<xx>/<38 hex>`` (Mesa 22.3) or ``<xx>/<62 hex>`` (Mesa 26.1), ``*.tmp`` while written.
+LAYOUT = Layout("kcache-mesa", "Mesa's shader cache", re.compile(r"[0-9a-f]{2}/[0-9a-f]{30,126}"),
+                depth=1, settle=3.0, grace=0.3)
+
+
+def _locate(devices: Sequence[cl.Device]) -> tuple[Path | None, str]:
+    releases = {mesa_release(d.driver_version) for d in devices}
+    return locate(release=releases.pop() if len(releases) == 1 else None)
+
+
+def _include_rule(options: bytes, cwd: str | None) -> tuple[str | None, str | None]:
+    if re.search(rb"(?:^|\s)-I", options):
+        return cwd, None  # pyopencl always adds one: then Mesa 22.3 and 26.1 see headers
+    return cwd, ("with no -I option, Mesa's shader cache keys rusticl's front end on the source and "
+                 "options, not the header (docs/design.md F20)")
+
+
+PLATFORM = Platform(
+    names=(NAME,),
+    settings=SETTINGS,
+    layout=LAYOUT,
+    locate=_locate,
+    why_cache=("Mesa's shader cache ({root}) holds rusticl's front end and code generation in "
+               "content-addressed files that a new node uses as they are, where the binary (SPIR-V) "
+               "still compiles (docs/design.md F20)"),
+    include_rule=_include_rule,
+)
+
+#: Clover, Mesa's older OpenCL: Mesa's settings; its cache and include rule were not measured.
+CLOVER = Platform(names=(CLOVER_NAME,), settings=SETTINGS)
