@@ -2,15 +2,20 @@
 
 pyopencl's ``get_info(BINARIES)`` holds the GIL for the whole call, and on pocl
 that call compiles (docs/design.md F1, F2). A ctypes call releases the GIL and returns
-the same bytes. The OpenCL library used is the one pyopencl itself loaded, where the
-system says which (:func:`.system.loaded_library`), else the one ``ctypes`` finds; any
-ICD loader would do, as calls dispatch on the object.
+the same bytes. The OpenCL library used is the one pyopencl itself loaded: where the
+system says which (:func:`.system.loaded_library`), else the loader bundled in pyopencl's
+wheel. Where neither is found, pyopencl's own query serves (the GIL held): a guessed
+library may be another ICD loader than pyopencl's (macOS has Apple's beside conda's), and
+calling it with pyopencl's objects crashed (seen: SIGSEGV on pocl 7.1). Only drivers
+whose query is a copy query in a process that runs kernels, so holding the GIL there
+costs nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import glob
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,19 +38,33 @@ _lib_lock = threading.Lock()
 
 
 def _find_loaded_opencl() -> str | None:
-    import pyopencl._cl  # noqa: F401 - make sure pyopencl's loader is mapped
+    import pyopencl._cl  # make sure pyopencl's loader is mapped
 
     from .system import loaded_library
 
-    return loaded_library("libOpenCL")
+    path = loaded_library("libOpenCL")
+    if path is None:
+        # Not said (no /proc): the loader auditwheel or delocate bundled beside pyopencl's
+        # extension, which is the one it loaded; a conda build links a system one: unknown.
+        here = os.path.dirname(pyopencl._cl.__file__)
+        bundled = sorted(glob.glob(os.path.join(here, ".libs", "libOpenCL*"))
+                         + glob.glob(os.path.join(here, ".dylibs", "libOpenCL*"))
+                         + glob.glob(os.path.join(os.path.dirname(here), "pyopencl.libs", "libOpenCL*")))
+        path = bundled[0] if len(bundled) == 1 else None
+    return path
 
 
-def _opencl() -> ctypes.CDLL:
+_NOT_FOUND = object()
+
+
+def _opencl() -> ctypes.CDLL | None:
     global _lib
     with _lib_lock:
         if _lib is None:
-            # Where the system does not say what is loaded (no /proc): the loader it would find.
-            path = _find_loaded_opencl() or ctypes.util.find_library("OpenCL") or "libOpenCL.so.1"
+            path = _find_loaded_opencl()
+            if path is None:
+                _lib = _NOT_FOUND  # type: ignore[assignment]
+                return None
             lib = ctypes.CDLL(path)
             fn = lib.clGetProgramInfo
             fn.restype = ctypes.c_int32
@@ -57,12 +76,12 @@ def _opencl() -> ctypes.CDLL:
                 ctypes.POINTER(ctypes.c_size_t),
             ]
             _lib = lib
-        return _lib
+        return None if _lib is _NOT_FOUND else _lib
 
 
 def _info(prg: int, param: int, size: int, value: Any, what: str) -> None:  # value: a ctypes object
     # ctypes.CDLL functions release the GIL for the duration of the call.
-    status = _opencl().clGetProgramInfo(
+    status = _opencl().clGetProgramInfo(  # type: ignore[union-attr]
         ctypes.c_void_p(prg), param, size, ctypes.cast(value, ctypes.c_void_p), None
     )
     if status != CL_SUCCESS:
@@ -76,6 +95,8 @@ def program_binaries(program: cl.Program | cl._cl._Program, devices: Sequence[cl
     launches kernels (docs/design.md F3, F13); pocl's strategy queries in a helper process.
     Raises :class:`BinaryQueryError`, or ``ValueError`` if a device has no binary.
     """
+    if _opencl() is None:
+        return _binaries_of_pyopencl(program, devices)
     ptr = program.int_ptr
     n = ctypes.c_uint32()
     _info(ptr, CL_PROGRAM_NUM_DEVICES, ctypes.sizeof(n), ctypes.pointer(n), "NUM_DEVICES")
@@ -88,6 +109,22 @@ def program_binaries(program: cl.Program | cl._cl._Program, devices: Sequence[cl
     ptrs = (ctypes.c_void_p * count)(*[ctypes.cast(b, ctypes.c_void_p) for b in buffers])
     _info(ptr, CL_PROGRAM_BINARIES, ctypes.sizeof(ptrs), ptrs, "BINARIES")
     by_device = {int(dev_ids[i] or 0): buffers[i].raw[: sizes[i]] for i in range(count)}
+    return _in_order(by_device, devices)
+
+
+def _binaries_of_pyopencl(program: Any, devices: Sequence[cl.Device]) -> list[bytes]:
+    import pyopencl as cl
+
+    try:
+        blobs = program.get_info(cl.program_info.BINARIES)
+        on = program.get_info(cl.program_info.DEVICES)
+    except cl.Error as e:
+        raise BinaryQueryError("BINARIES", getattr(e, "code", -1)) from None
+    by_device = {d.int_ptr: bytes(b) for d, b in zip(on, blobs, strict=True)}
+    return _in_order(by_device, devices)
+
+
+def _in_order(by_device: dict[int, bytes], devices: Sequence[cl.Device]) -> list[bytes]:
     out = []
     for dev in devices:
         blob = by_device.get(dev.int_ptr)
