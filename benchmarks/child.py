@@ -17,10 +17,10 @@ Variants: ``nocache`` (pyopencl, ``PYOPENCL_NO_CACHE=1``), ``default`` (pyopencl
 installed: on pocl and NVIDIA it leaves caching to the driver's kernel cache),
 ``pyopencl`` (pyopencl's binary cache forced on), ``pyopencl-spec0`` (the same with
 ``POCL_WORK_GROUP_SPECIALIZATION=0``, set by run.py: generic variants only), ``acc`` /
-``acc-process`` / ``acc-sync`` / ``acc-thread`` (asyncclcache with strategy auto (kcache
-on pocl) / process / sync / thread), ``acc-shared`` (auto, one directory for all ranks;
-``acc`` is rank-local), ``acc-baked`` (auto; run.py bakes its directory between the cold
-and the warm run), ``acc-idle`` (auto with ``ASYNCCLCACHE_BAKE=idle``, set by run.py).
+``acc-thread`` (asyncclcache with strategy auto (kcache on pocl) / thread), ``acc-shared``
+(auto, one directory for all ranks; ``acc`` is rank-local), ``acc-baked`` (auto; run.py
+bakes its directory between the cold and the warm run), ``acc-idle`` (auto with
+``ASYNCCLCACHE_BAKE=idle``, set by run.py).
 
 ``first_result`` also times steps 2..N (``steps``, default 5): every kernel launched again,
 so the kernel time shows what work-group specialization is worth.
@@ -83,8 +83,8 @@ from workloads import WORK_ITEMS, WORKLOADS, Prog, small  # noqa: E402
 
 RESULT["import_s"] = pc() - T_START
 VARIANT: str = SPEC.get("variant") or "nocache"
-ACC_STRATEGY = {"acc": "auto", "acc-shared": "auto", "acc-sync": "sync", "acc-thread": "thread",
-                "acc-process": "process", "acc-baked": "auto", "acc-idle": "auto"}
+ACC_STRATEGY = {"acc": "auto", "acc-shared": "auto", "acc-thread": "thread", "acc-baked": "auto",
+                "acc-idle": "auto"}
 
 
 def _acc_cache() -> Any:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Where a warm hit's time goes on pocl: ``python benchmarks/hitcost.py [--programs 20]``.
 
-Fills an asyncclcache directory for the ``multi`` workload twice (strategy ``kcache`` and
-``process``), and bakes a copy of the ``kcache`` one (``asyncclcache bake``), then, each in
+Fills an asyncclcache directory for the ``multi`` workload (strategy ``kcache``), and bakes
+a copy of it (``asyncclcache bake``), then, each in
 a fresh process on a new node (empty ``POCL_CACHE_DIR``), builds and launches every
 program from it, and from pocl's own cache on the same node. Prints per-phase seconds:
 restore (kcache: writing pocl's files), build, first launch, and the files the launches
@@ -28,7 +28,7 @@ sys.path.insert(0, sys.argv[1])
 import numpy as np, pyopencl as cl
 from workloads import WORKLOADS, WORK_ITEMS
 import asyncclcache as acc
-from asyncclcache.drivers import kcache
+from asyncclcache.drivers import kcache_folders as kcache
 mode, acc_dir, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
 ctx = cl.create_some_context(interactive=False); q = cl.CommandQueue(ctx)
 a = np.random.default_rng(0).random(WORK_ITEMS, dtype=np.float32)
@@ -80,9 +80,7 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="acc-hitcost-"))
     rows: dict[str, list[dict]] = {}
-    for mode in ("kcache", "process"):
-        d = str(work / mode)
-        run(mode, d, args.programs, tempfile.mkdtemp(dir=work))  # cold: fills the directory
+    run("kcache", str(work / "kcache"), args.programs, tempfile.mkdtemp(dir=work))  # cold: fills the directory
     shutil.copytree(work / "kcache", work / "baked")
     env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     bake = [sys.executable, "-m", "asyncclcache", "bake", "--dir", str(work / "baked")]
@@ -90,13 +88,13 @@ def main() -> int:
     same = tempfile.mkdtemp(dir=work)
     run("plain", "-", args.programs, same)  # fills pocl's own cache on this node
     for _ in range(args.reps):
-        for mode in ("kcache", "baked", "process", "plain"):
+        for mode in ("kcache", "baked", "plain"):
             pocl = same if mode == "plain" else tempfile.mkdtemp(dir=work)
             rows.setdefault(mode, []).append(run(mode, str(work / mode), args.programs, pocl))
     print(f"{args.programs} programs (multi workload), median of {args.reps}, seconds:")
     print(f"{'':28s} {'restore':>8s} {'build':>8s} {'launch':>8s} {'total':>8s} {'launch files':>12s}")
     names = {"kcache": "acc kcache, new node", "baked": "acc kcache baked, new node",
-             "process": "acc process, new node", "plain": "pocl's own cache, same node"}
+             "plain": "pocl's own cache, same node"}
     for mode, rs in rows.items():
         med = {k: sorted(r[k] for r in rs)[len(rs) // 2]
                for k in ("restore_s", "build_s", "launch_s", "launch_files")}

@@ -42,10 +42,9 @@ sys.path.insert(0, str(HERE))
 import report  # noqa: E402
 
 #: Single-process variants (report.VARIANTS has them all).
-VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-process", "acc-sync",
-            "acc-thread"]
-QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-process"]
-RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-process", "acc-shared"]
+VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-thread"]
+QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked"]
+RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
 SECTIONS = ["seed", "multi", "stall", "throughput", "ranks"]
 
 
@@ -324,7 +323,7 @@ def measure_first_result(
         # Rotate the order so drifting background load does not favour one variant.
         order = variants[rep % len(variants):] + variants[: rep % len(variants)]
         for v in order:
-            if rep >= extra_reps and v in ("acc-sync", "acc-thread"):
+            if rep >= extra_reps and v == "acc-thread":
                 continue
             spec: dict[str, Any] = {"task": "first_result", "variant": v, "workload": workload,
                                     "workload_args": workload_args or {}}
@@ -528,14 +527,12 @@ def measure_ranks(runner: Runner, ranks: list[int], variants: list[str], n: int,
                         "error": next((r["error"] for r in rs if r.get("error")), None),
                     }
                     if v.startswith("acc"):
-                        for k in ("warmups", "writes", "hits", "misses", "skipped"):
+                        for k in ("writes", "hits", "misses", "skipped"):
                             one[k] = sum((r.get("stats_final") or {}).get(k, 0) for r in rs)
                         one["own_cpu_s"] = sum(_own_cpu(r.get("stats_final")) for r in rs)
                     row.setdefault(v, {"cold": [], "warm": []})[phase].append(one)
                     msg += (f" | {phase} median {_s(one['median'])} max {_s(one['max'])}"
                             f" cpu {_s(one['cpu_s'])}")
-                    if "warmups" in one and phase == "cold":
-                        msg += f", {one['warmups']} warm-ups"
                 log(msg)
             save(res)
     return res
@@ -572,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="statements in the seed kernel (1000: about 5 s of pocl compile)")
     ap.add_argument("--variants", default=None,
                     help="comma-separated columns to run (default: all of each section's), e.g. "
-                         "nocache,default,acc,acc-process")
+                         "nocache,default,acc,acc-baked")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directories")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the children")
     args = ap.parse_args(argv)
@@ -661,14 +658,13 @@ def main(argv: list[str] | None = None) -> int:
             save("stall", measure_stall(runner, cases, min(reps, 2), seed_args))
         if "throughput" in sections:
             log.section("throughput")
-            v = use(["nocache", "pyopencl", "acc", "acc-idle", "acc-process"] if full
-                    else ["nocache", "acc", "acc-idle", "acc-process"])
+            v = use(["nocache", "pyopencl", "acc", "acc-idle"] if full else ["nocache", "acc", "acc-idle"])
             progs = 200 if full else 100
             tp_reps = min(reps, 2)
             save("throughput_1",
                  measure_throughput(runner, v, progs, 1, tp_reps, {"pyopencl": 1}))
             # As many processes as cores: no core is idle, so idle baking must cost nothing.
-            at_once = ["nocache", "acc", "acc-idle"] + (["acc-process"] if full else [])
+            at_once = ["nocache", "acc", "acc-idle"]
             save("throughput_2", measure_throughput(runner, use(at_once), progs, 2, tp_reps))
         if "ranks" in sections:
             log.section("ranks")
@@ -676,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
                 cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
                     os.cpu_count() or 1)
                 ranks = default_ranks(cores)
-            v = RANK_VARIANTS if full else ["nocache", "acc", "acc-process", "acc-shared"]
+            v = RANK_VARIANTS if full else ["nocache", "acc", "acc-shared"]
             if keep_variants is not None:
                 v = [x for x in v if x in keep_variants]
             use([x for x in v if x != "acc-shared"])

@@ -196,6 +196,6 @@ env = acc.Cache(sys.argv[1])
 print(json.dumps([given.strategy, given._nworkers, env.strategy, env._nworkers]))
 given.close(); env.close()
 """
-    env = {"ASYNCCLCACHE_STRATEGY": "sync", "ASYNCCLCACHE_WORKERS": "3"}
-    assert child_json(run_child(code, str(tmp_path), env=env)) == ["auto", 1, "sync", 3]
+    env = {"ASYNCCLCACHE_STRATEGY": "thread", "ASYNCCLCACHE_WORKERS": "3"}
+    assert child_json(run_child(code, str(tmp_path), env=env)) == ["auto", 1, "thread", 3]
     assert child_json(run_child(code, str(tmp_path))) == ["auto", 1, "auto", 1]

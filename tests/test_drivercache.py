@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from asyncclcache.drivers.filecache import added_files
+from asyncclcache.drivers.kcache_files import added_files
 from asyncclcache.keys import UncertainIncludes, find_include_deps
 from asyncclcache.platforms import mesa as mesa_platform
 from asyncclcache.platforms import nvidia as nvidia_platform
@@ -159,7 +159,7 @@ def test_a_file_written_after_its_directory_changed_is_in_every_scan(tmp_path: P
 
 
 def test_files_beyond_an_entrys_bound_are_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncclcache.drivers import filecache
+    from asyncclcache.drivers import kcache_files
     from asyncclcache.drivers.background import Waiting
 
     root = tmp_path / "mesa_shader_cache"
@@ -168,8 +168,8 @@ def test_files_beyond_an_entrys_bound_are_counted(tmp_path: Path, monkeypatch: p
     for n in names:
         (root / n).parent.mkdir(parents=True, exist_ok=True)
         (root / n).write_bytes(n.encode())
-    monkeypatch.setattr(filecache, "MAX_FILES", 2)
-    driver = filecache.FileCacheDriver(root, MESA)
+    monkeypatch.setattr(kcache_files, "MAX_FILES", 2)
+    driver = kcache_files.FileCacheDriver(root, MESA)
     counted: list[tuple[str, float]] = []
     driver.on_count = lambda name, n: counted.append((name, n))
     class FakeJob:  # hashed by identity and weakly referenced, as a Job is

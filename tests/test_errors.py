@@ -15,8 +15,6 @@ from asyncclcache import errors
 PRIVATE = {
     "asyncclcache.drivers.base.Dropped": "a driver's answer at shutdown: the pipeline counts it skipped",
     "asyncclcache.drivers.base.Lost": "a driver's answer 'nothing to store': the pipeline counts it unidentified",
-    "asyncclcache.drivers._wire.WireError": "the helper's pipe: the process driver raises HelperError or Dropped",
-    "asyncclcache.drivers._wire.WireTimeout": "ditto (a WireError)",
     "asyncclcache.keys.UncertainIncludes": "the include scan's: its callers make it a build not cached",
 }
 
@@ -76,11 +74,10 @@ def test_the_private_ones_are_what_the_list_says(defined: dict[str, dict]) -> No
 
 def test_each_error_still_is_the_built_in_it_refines_and_where_it_was() -> None:
     from asyncclcache import archive, binaries, cli, entry, fileio, runner
-    from asyncclcache.drivers import pocl
 
     for old_home, cls, builtin in (
         (fileio, errors.InsecurePathError, PermissionError), (entry, errors.EntryFormatError, ValueError),
-        (pocl, errors.HelperError, RuntimeError), (binaries, errors.BinaryQueryError, RuntimeError),
+        (binaries, errors.BinaryQueryError, RuntimeError),
         (archive, errors.ArchiveError, Exception), (errors, errors.BackgroundError, RuntimeError),
     ):
         assert getattr(old_home, cls.__name__) is cls

@@ -180,8 +180,9 @@ def test_a_cl_cfg_that_cannot_be_read_is_never_cached(vendors: Path, tmp_path: P
     assert got["uncacheable"] == 1 and got["writes"] == 0 and got["value"] == VALUE, got
 
 
-def test_a_requested_process_strategy_falls_back_to_the_thread(vendors: Path, tmp_path: Path) -> None:
-    # The helper would repeat the whole compile for a query that compiles nothing here.
+def test_a_requested_process_strategy_is_served_by_auto(vendors: Path, tmp_path: Path) -> None:
+    # Strategy process is gone: auto serves instead, which here is the thread (the query
+    # compiles nothing on Intel's runtime).
     got = _node(vendors, tmp_path / "acc", tmp_path / "wd", strategy="process")
     assert got["strategy"] == "thread" and got["writes"] == 1, got
     assert _node(vendors, tmp_path / "acc", tmp_path / "wd", strategy="process")["hits"] == 1

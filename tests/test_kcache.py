@@ -5,6 +5,7 @@ Every scenario runs on real pocl, a "new node" being a child with an empty POCL_
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -13,8 +14,9 @@ import pytest
 
 import asyncclcache as acc
 from asyncclcache import fsclock
-from asyncclcache.drivers import cachefiles, kcache, poclcache
+from asyncclcache.drivers import cachefiles, folders, kcache_folders
 from asyncclcache.entry import Entry
+from asyncclcache.platforms import pocl
 from asyncclcache.store import Store
 from conftest import child_json, run_child, run_in_threads
 from kernels import run_twice, small_source
@@ -46,8 +48,7 @@ def test_cold_run_compiles_nothing_extra_and_new_node_compiles_nothing(cache_dir
     cold = child_json(run_child(RUN, str(cache_dir), "new-node"))
     assert cold["ok"] and cold["flushed"] and cold["drivers"] == ["kcache"]
     s = cold["stats"]
-    assert (s["misses"], s["writes"], s["warmups"], s["unidentified"]) == (1, 1, 0, 0)
-    # No helper process: only the kcache driver was ever created.
+    assert (s["misses"], s["writes"], s["unidentified"]) == (1, 1, 0)
     # Only the launched variant: no generic (0-0-0) variant was compiled for the cache.
     assert not [f for f in cold["after_launch"] if "/0-0-0" in f]
     assert any("/16-1-1" in f and f.endswith(".so") for f in cold["after_launch"])
@@ -64,17 +65,56 @@ def test_cold_run_compiles_nothing_extra_and_new_node_compiles_nothing(cache_dir
     assert warm["stats"]["writes"] == 0 and warm["stats"]["rejected"] == 0
 
 
-@pytest.mark.slow
-def test_kernel_cache_off_falls_back_to_process(cache_dir):
-    out = child_json(run_child(RUN, str(cache_dir), "kcache-off", env={"POCL_KERNEL_CACHE": "0"}))
-    assert out["ok"] and out["flushed"] and out["drivers"] == ["process"]
-    assert out["stats"]["writes"] == 1 and out["stats"]["warmups"] == 1
-    entry = Store(cache_dir).load(out["key"])
-    assert entry is not None and entry.kind == "binary"
-    # Naming kcache where it cannot work gives the same fallback.
-    named = child_json(run_child(RUN, str(cache_dir / "named"), "kcache-off", "kcache",
-                                 env={"POCL_KERNEL_CACHE": "0"}))
-    assert named["drivers"] == ["process"]
+# Builds two programs through a cache of strategy argv[2], flushes (a binary query never
+# beside a launch on pocl, F13), then launches them, with the package's log on stderr;
+# prints what was cached.
+OFF = r"""
+import json, logging, sys
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+from _pocl import pocl_context
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+ctx = pocl_context()
+cache = acc.Cache(sys.argv[1], strategy=sys.argv[2])
+prgs = [acc.Program(ctx, small_source(salt=f"off-{i}"), cache=cache).build() for i in range(2)]
+flushed = cache.flush(60)
+ok = [run_twice(ctx, p) for p in prgs]
+print(json.dumps({"ok": ok, "flushed": flushed, "drivers": sorted(cache.drivers),
+                  "stats": cache.stats().as_dict()}))
+"""
+
+
+@pytest.mark.parametrize("strategy", ["auto", "kcache"])
+def test_kernel_cache_off_caches_nothing_and_says_what_to_do(cache_dir, strategy):
+    # pocl's CPU device with its kernel cache off: its binary query compiles under a lock
+    # that stalls every launch, and there is no folder to store: built plainly, counted,
+    # and one log line (and asyncclcache info) says to turn the cache on.
+    env = {"POCL_KERNEL_CACHE": "0"}
+    proc = run_child(OFF, str(cache_dir), strategy, env=env)
+    out = child_json(proc)
+    assert out["ok"] == [True, True] and out["flushed"] and out["drivers"] == ["off"], out
+    s = out["stats"]
+    assert (s["cache_off"], s["misses"], s["writes"], s["hits"], s["uncacheable"]) == (2, 0, 0, 0, 0), s
+    said = [line for line in proc.stderr.splitlines() if "not caching builds here" in line]
+    assert len(said) == 1 and "POCL_KERNEL_CACHE=1" in said[0] and "POCL_CACHE_DIR" in said[0], proc.stderr
+    assert not list(Store(cache_dir).entries())
+    info = run_child("import runpy, sys; sys.argv = ['asyncclcache', 'info', '--json', '--dir', sys.argv[1]]; "
+                     "runpy.run_module('asyncclcache', run_name='__main__')", str(cache_dir), env=env, check=False)
+    rows = [p for p in json.loads(info.stdout)["platforms"] if p.get("strategy")]
+    assert [p["strategy"] for p in rows] == ["off"] and "POCL_KERNEL_CACHE=1" in rows[0]["reason"], info.stdout
+
+
+def test_binary_entries_serve_thread_and_are_left_alone_where_the_kernel_cache_is_off(cache_dir):
+    # Entries of kind binary (what the strategy process wrote, and thread writes) keep
+    # serving the thread strategy; with pocl's kernel cache off nothing looks them up.
+    first = child_json(run_child(OFF, str(cache_dir), "thread"))
+    assert first["drivers"] == ["thread"] and first["stats"]["writes"] == 2, first
+    before = sorted((e.key, e.path.read_bytes()) for e in Store(cache_dir).entries())
+    off = child_json(run_child(OFF, str(cache_dir), "auto", env={"POCL_KERNEL_CACHE": "0"}))
+    assert off["ok"] == [True, True] and (off["stats"]["hits"], off["stats"]["cache_off"]) == (0, 2), off
+    assert sorted((e.key, e.path.read_bytes()) for e in Store(cache_dir).entries()) == before
+    again = child_json(run_child(OFF, str(cache_dir), "thread", env={"POCL_KERNEL_CACHE": "0"}))
+    assert again["ok"] == [True, True] and (again["stats"]["hits"], again["stats"]["writes"]) == (2, 0), again
 
 
 def test_threads_building_at_once_each_find_their_own_folder(cl_ctx, cache_dir, open_cache):
@@ -148,13 +188,13 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
     (root / "AB").mkdir(parents=True)
     (root / folder).symlink_to(outside)  # a planted link where the program folder goes
     with pytest.raises(OSError):
-        cachefiles.restore(root, [f"{folder}/program.bc"], [b"bitcode"], poclcache.valid_file)
+        cachefiles.restore(root, [f"{folder}/program.bc"], [b"bitcode"], folders.valid_file)
     assert list(outside.iterdir()) == []
 
     (root / folder).unlink()
     (root / folder / "k" / "v").mkdir(parents=True)
     (root / folder / "program.bc").write_bytes(b"pocl's own")
-    placed = cachefiles.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"], poclcache.valid_file)
+    placed = cachefiles.restore(root, [f"{folder}/program.bc", f"{folder}/k/v/k.so"], [b"ours", b"so"], folders.valid_file)
     assert placed.count == 1
     assert (root / folder / "program.bc").read_bytes() == b"pocl's own"
     assert (root / folder / "k/v/k.so").read_bytes() == b"so"
@@ -162,7 +202,7 @@ def test_restore_never_follows_a_link_nor_replaces_a_file(tmp_path):
 
     for bad in ("../x/y/program.bc", "/etc/passwd", "AB/../../x", f"{folder}/../../../evil", "AB"):
         with pytest.raises(OSError):
-            cachefiles.restore(root, [bad], [b"x"], poclcache.valid_file)
+            cachefiles.restore(root, [bad], [b"x"], folders.valid_file)
 
 
 def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir, open_cache):
@@ -183,7 +223,7 @@ def test_entry_with_an_unsafe_path_is_damaged_not_restored(cl_ctx, cache_dir, op
 def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache_dir, open_cache):
     import shutil
 
-    root = poclcache.kernel_cache_dir()
+    root = pocl.kernel_cache_dir()
     assert root is not None
     cache = open_cache(cache_dir)
     with cache.step() as _:
@@ -193,8 +233,8 @@ def test_folder_removed_before_the_snapshot_is_skipped_and_counted(cl_ctx, cache
         job = cache.job(prg.cache_key)
         clock = fsclock.FsClock(root)
         assert clock.measure()
-        (found,) = poclcache.candidates(root, [(clock.since(job.built_from), clock.until(job.built_to))])
-        (folder,) = poclcache.choose(root, found, job.kernels, clock.until(job.built_to), clock.tick)
+        (found,) = folders.candidates(root, [(clock.since(job.built_from), clock.until(job.built_to))])
+        (folder,) = folders.choose(root, found, job.kernels, clock.until(job.built_to), clock.tick)
         shutil.rmtree(root / folder)
     assert cache.flush(60)
     s = cache.stats()
@@ -239,7 +279,7 @@ def test_snapshot_waits_for_the_first_launch(cl_ctx, cache_dir, open_cache):
     assert run_twice(cl_ctx, prg, local_size=(2,))
     import time
 
-    deadline = time.monotonic() + kcache.SETTLE_SECONDS - 0.5
+    deadline = time.monotonic() + kcache_folders.SETTLE_SECONDS - 0.5
     while cache.stats().writes == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cache.stats().writes == 1, "not written as soon as the launch compiled its variant"
@@ -254,7 +294,7 @@ def test_stored_files_are_what_pocl_wrote(cache_dir):
     out = child_json(run_child(RUN, str(cache_dir), "content"))
     entry = Store(cache_dir).load(out["key"])
     assert entry is not None
-    assert all(poclcache.valid_file(f) for f in entry.meta["files"])
+    assert all(folders.valid_file(f) for f in entry.meta["files"])
     assert not any(Path(f).name == "last_accessed" for f in entry.meta["files"])
 
 
@@ -274,7 +314,7 @@ def test_stored_files_are_what_pocl_wrote(cache_dir):
     ],
 )
 def test_valid_file_names(rel, ok):
-    assert poclcache.valid_file(rel) is ok
+    assert folders.valid_file(rel) is ok
 
 
 @pytest.mark.parametrize(
@@ -300,7 +340,7 @@ def test_kernel_cache_dir_as_pocl_finds_it(monkeypatch, tmp_path, env, expect):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    got = poclcache.kernel_cache_dir()
+    got = pocl.kernel_cache_dir()
     if expect == "xdg":
         assert got == tmp_path / "pocl" / "kcache"
     else:
@@ -312,7 +352,7 @@ def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir, open_
     # must not stat every old folder; a program pocl serves from an old folder still is found.
     import pyopencl as cl
 
-    root = poclcache.kernel_cache_dir()
+    root = pocl.kernel_cache_dir()
     assert root is not None
     import time
 
@@ -349,26 +389,6 @@ def test_a_new_folder_is_found_without_walking_old_ones(cl_ctx, cache_dir, open_
 
     for i in range(10):
         shutil.rmtree(root / f"Z{i}")
-
-
-def test_kernel_cache_off_flush_rewrites_nothing(cache_dir):
-    # Issue 12: with POCL_KERNEL_CACHE=0 every flush used to rewrite every entry.
-    code = r"""
-import json, sys
-import pyopencl as cl, asyncclcache as acc
-from kernels import small_source, run_twice
-from _pocl import pocl_context
-ctx = pocl_context()
-cache = acc.Cache(sys.argv[1])
-prgs = [acc.Program(ctx, small_source(name=f"k{i}"), cache=cache).build() for i in range(3)]
-assert all(run_twice(ctx, p, name=f"k{i}") for i, p in enumerate(prgs))
-flushed = [cache.flush(120) for _ in range(3)]
-print(json.dumps({"flushed": flushed, "stats": cache.stats().as_dict(),
-                  "requests": cache.drivers["process"].requests}))
-"""
-    out = child_json(run_child(code, str(cache_dir), env={"POCL_KERNEL_CACHE": "0"}))
-    assert out["flushed"] == [True] * 3
-    assert (out["stats"]["writes"], out["stats"]["refreshes"], out["requests"]) == (3, 0, 3)
 
 
 def test_restore_failure_keeps_the_entry(cache_dir, tmp_path):

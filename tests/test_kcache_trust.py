@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from asyncclcache import fsclock
-from asyncclcache.drivers import Lost, cachefiles, kcache, poclcache
+from asyncclcache.drivers import Lost, cachefiles, folders, kcache_folders
 from asyncclcache.platforms import pocl as pocl_platform
 from asyncclcache.store import Store
 from conftest import ROOT, child_json, run_child
@@ -106,16 +106,16 @@ def test_home_unset_a_shipped_cache_hits_and_is_kept(cache_dir):
     assert first["stats"]["writes"] == 3
     env = _bare_env(HOME=None, XDG_CACHE_HOME=None, POCL_CACHE_DIR=None)
     store = Store(cache_dir)
-    folders = {f for p in first["programs"] for f in poclcache.entry_folders(store.load(p["key"]).meta.files)}
+    ours = {f for p in first["programs"] for f in folders.entry_folders(store.load(p["key"]).meta.files)}
     try:
         warm = _child(MANY, str(cache_dir), "3", salt, "distinct", env=env)
         assert _values_ok(warm)
         s = warm["stats"]
         assert (s["hits"], s["misses"], s["rejected"]) == (3, 0, 0)
         assert all(store.load(p["key"]) is not None for p in first["programs"])
-        assert all((Path("/tmp/pocl/kcache") / f / "last_accessed").exists() for f in folders)
+        assert all((Path("/tmp/pocl/kcache") / f / "last_accessed").exists() for f in ours)
     finally:
-        for f in folders:
+        for f in ours:
             shutil.rmtree(Path("/tmp/pocl/kcache") / f, ignore_errors=True)
 
 
@@ -127,8 +127,8 @@ def test_kernel_cache_true_is_off_as_pocl_reads_it(cache_dir):
     first = child_json(run_child(MANY, str(cache_dir), "1", salt, "distinct"))
     key = first["programs"][0]["key"]
     out = child_json(run_child(MANY, str(cache_dir), "1", salt, "distinct", env={"POCL_KERNEL_CACHE": "true"}))
-    assert out["drivers"] == ["process"] and _values_ok(out)
-    assert out["stats"]["rejected"] == 0
+    assert out["drivers"] == ["off"] and _values_ok(out)
+    assert (out["stats"]["rejected"], out["stats"]["cache_off"]) == (0, 1)
     assert Store(cache_dir).load(key) is not None
 
 
@@ -292,9 +292,9 @@ def test_choose_keeps_the_folder_closest_to_the_build_over_anothers_fresh_launch
     clock = fsclock.FsClock(tmp_path)
     assert clock.measure()
     found = [(theirs, end - 0.188), (ours, end - 0.004)]
-    assert poclcache.choose(tmp_path, found, ["k"], clock.until(end), clock.tick) == (ours,)
+    assert folders.choose(tmp_path, found, ["k"], clock.until(end), clock.tick) == (ours,)
     # Two that cannot be told apart: nothing, never both.
-    assert poclcache.choose(tmp_path, [(theirs, end), (ours, end)], ["k"], clock.until(end), clock.tick) == ()
+    assert folders.choose(tmp_path, [(theirs, end), (ours, end)], ["k"], clock.until(end), clock.tick) == ()
 
 
 SHARED = r"""
@@ -336,7 +336,7 @@ def test_shared_pocl_cache_same_named_kernels_built_at_once(tmp_path):
             entry = Store(tmp_path / f"acc{v}").load(out["key"])
             # Told apart (a probe build where the stamps could not), never mixed up.
             assert entry is not None and out["stats"]["unidentified"] == 0, out["stats"]
-            assert len(poclcache.entry_folders(entry.meta.files)) == 1  # never more than its own
+            assert len(folders.entry_folders(entry.meta.files)) == 1  # never more than its own
             # A new node hits it and gets its own value: the stored folder is this program's.
             warm = child_json(run_child(SHARED, str(tmp_path / f"acc{v}"), str(v), f"{salt}-{rnd}", "0"))
             assert warm["value"] == v and (warm["stats"]["hits"], warm["stats"]["rejected"]) == (1, 0)
@@ -414,24 +414,24 @@ def test_another_users_planted_folder_is_never_stored(tmp_path, other_user):
 def test_snapshot_refuses_files_of_others_and_bounds_what_it_reads(tmp_path):
     end = time.time()
     rel = _folder(tmp_path, "AB" + "C" * 38, end, {"k": end})
-    snap = poclcache.folder_files(tmp_path, [rel])
+    snap = folders.folder_files(tmp_path, [rel])
     assert sorted(snap.files or []) == [f"{rel}/k/16-1-1-goffs0-smallgrid/k.so", f"{rel}/program.bc"]
     so = tmp_path / rel / "k" / "16-1-1-goffs0-smallgrid" / "k.so"
     os.chmod(so, 0o666)  # writable by anyone: anyone's code
     with pytest.raises(Lost, match="refused"):
-        poclcache.folder_files(tmp_path, [rel])
+        folders.folder_files(tmp_path, [rel])
     os.chmod(so, 0o644)
     with open(tmp_path / rel / "huge.bin", "wb") as f:  # a sparse file far over the bound
         f.truncate(cachefiles.MAX_FILE_BYTES + 1)
     t0 = time.perf_counter()
     with pytest.raises(Lost, match="too large"):
-        poclcache.folder_files(tmp_path, [rel])
+        folders.folder_files(tmp_path, [rel])
     assert time.perf_counter() - t0 < 1.0  # refused by its size, not read
     (tmp_path / rel / "huge.bin").unlink()
     (tmp_path / rel / "program.bc").unlink()
     os.link(so, tmp_path / rel / "program.bc")  # a hard link: made by whoever could write
     with pytest.raises(Lost, match="hard links"):
-        poclcache.folder_files(tmp_path, [rel])
+        folders.folder_files(tmp_path, [rel])
 
 
 def test_snapshot_and_restore_refuse_another_users_folder(tmp_path, other_user):
@@ -440,15 +440,15 @@ def test_snapshot_and_restore_refuse_another_users_folder(tmp_path, other_user):
     for p in [tmp_path / rel, *(tmp_path / rel).rglob("*")]:
         os.chown(p, other_user.pw_uid, other_user.pw_gid, follow_symlinks=False)
     with pytest.raises(Lost, match="owned by uid"):
-        poclcache.folder_files(tmp_path, [rel])
+        folders.folder_files(tmp_path, [rel])
     with pytest.raises(OSError, match="owned by uid"):
-        cachefiles.restore(tmp_path, [f"{rel}/k/32-1-1/k.so"], [b"ours"], poclcache.valid_file)
+        cachefiles.restore(tmp_path, [f"{rel}/k/32-1-1/k.so"], [b"ours"], folders.valid_file)
     assert not (tmp_path / rel / "k" / "32-1-1").exists()
 
 
 def test_an_unused_restore_is_taken_back(tmp_path):
     rel = "AB/" + "C" * 38
-    placed = cachefiles.restore(tmp_path, [f"{rel}/program.bc", f"{rel}/k/v/k.so"], [b"bc", b"so"], poclcache.valid_file)
+    placed = cachefiles.restore(tmp_path, [f"{rel}/program.bc", f"{rel}/k/v/k.so"], [b"bc", b"so"], folders.valid_file)
     assert placed.count == 2
     (tmp_path / "AB" / "pocls").mkdir()  # pocl's own, meanwhile
     cachefiles.unrestore(tmp_path, placed)
@@ -457,14 +457,14 @@ def test_an_unused_restore_is_taken_back(tmp_path):
 
 def test_a_hit_check_needs_no_clock(tmp_path):
     rel = _folder(tmp_path, "AB" + "C" * 38, time.time(), {})
-    before = poclcache.mark(tmp_path, rel)
-    assert not poclcache.moved(tmp_path, rel, before)
+    before = folders.mark(tmp_path, rel)
+    assert not folders.moved(tmp_path, rel, before)
     open(tmp_path / rel / "last_accessed", "w").close()  # what pocl does, within the same second
-    assert poclcache.moved(tmp_path, rel, before)
+    assert folders.moved(tmp_path, rel, before)
     (tmp_path / rel / "last_accessed").unlink()
-    assert not poclcache.moved(tmp_path, rel, None)
+    assert not folders.moved(tmp_path, rel, None)
     (tmp_path / rel / "last_accessed").touch()
-    assert poclcache.moved(tmp_path, rel, None)  # a new node: pocl made it
+    assert folders.moved(tmp_path, rel, None)  # a new node: pocl made it
 
 
 # }}}
@@ -495,7 +495,7 @@ def test_exit_does_not_wait_out_the_settle_time(cache_dir, tmp_path):
         proc = run_child(EXIT, str(cache_dir), f"exit-{uuid.uuid4().hex}-{i}", pocl_cache=pocl,
                          env={"ASYNCCLCACHE_STATS": "1", "PYTHONWARNINGS": "error::ResourceWarning"})
         waited = time.time() - float(proc.stdout.split()[-1])
-        assert waited < kcache.SETTLE_SECONDS - 1.0, f"exit waited {waited:.2f} s"
+        assert waited < kcache_folders.SETTLE_SECONDS - 1.0, f"exit waited {waited:.2f} s"
         assert "1 writes" in proc.stderr, proc.stderr
         assert "ResourceWarning" not in proc.stderr
 
@@ -508,12 +508,12 @@ def test_variants_are_seen_whatever_pocl_names_the_compiled_file(tmp_path):
     v.mkdir(parents=True)
     (tmp_path / rel / "program.bc").write_bytes(b"bc")
     (v / "parallel.bc").write_bytes(b"bc")  # written first (pocl 7.1): not compiled yet
-    assert not poclcache.ready(tmp_path, [rel], ["k"], now - 1)
+    assert not folders.ready(tmp_path, [rel], ["k"], now - 1)
     (v / "k.so.o").write_bytes(b"o")
-    assert poclcache.ready(tmp_path, [rel], ["k"], now - 1)
-    assert not poclcache.ready(tmp_path, [rel], ["k"], now + 10)
-    assert poclcache.valid_file(f"{rel}/k/64-1-1-goffs0-smallgrid/k.so.o")
-    snap = poclcache.folder_files(tmp_path, [rel])
+    assert folders.ready(tmp_path, [rel], ["k"], now - 1)
+    assert not folders.ready(tmp_path, [rel], ["k"], now + 10)
+    assert folders.valid_file(f"{rel}/k/64-1-1-goffs0-smallgrid/k.so.o")
+    snap = folders.folder_files(tmp_path, [rel])
     assert f"{rel}/k/64-1-1-goffs0-smallgrid/k.so.o" in (snap.files or [])
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncclcache.drivers import Driver, Dropped, Job, Lost, Purpose, Snapshot
+from asyncclcache.drivers import Driver, Dropped, Hit, HitOutcome, Job, Lost, Purpose, Snapshot
 from asyncclcache.keys import KeyInfo
 from asyncclcache.pipeline import Pipeline
 from asyncclcache.stats import Counters
@@ -30,9 +30,8 @@ class Fake(Driver):
     name = "fake"
     refreshable = True
 
-    def __init__(self, *answers: Snapshot | BaseException, warms_up: bool = False) -> None:
+    def __init__(self, *answers: Snapshot | BaseException) -> None:
         self.answers = list(answers)
-        self.warms_up = warms_up
         if any(isinstance(a, Snapshot) and a.files is not None for a in answers):
             self.kind = "kcache"  # files of a driver's cache, as pocl's folder holds them
         self.gate = threading.Event()
@@ -40,6 +39,13 @@ class Fake(Driver):
         self.fetched: list[Purpose] = []
         self.stale_jobs: list[Job] = []
         self.wrote: list[list[str] | None] = []  # what written() was told, in order
+        self.told: list[tuple[str, Job]] = []  # the per-job hooks called: built, watch
+
+    def built(self, job: Job) -> None:
+        self.told.append(("built", job))
+
+    def watch(self, job: Job, entry, hit) -> None:
+        self.told.append(("watch", job))
 
     def fetch(self, job: Job, purpose: Purpose, done) -> None:
         self.fetched.append(purpose)
@@ -172,17 +178,26 @@ def test_a_failed_fetch_writes_nothing_and_releases_the_claim(store: Store, make
     assert (errors == [error]) == (counter == "errors")
 
 
-def test_a_warmup_counts_and_writes_nothing(store: Store, make) -> None:
-    pipeline, counters = make()
-    job = _job(Fake(Snapshot([b"w"]), warms_up=True))
-    _run(pipeline, job, Purpose.WARMUP)
-    s = counters.snapshot()
-    assert (s.warmups, s.writes) == (1, 0) and store.load(job.key) is None
-    # The claim is kept for the snapshot that follows (the helper's key stays this process's).
-    assert pipeline.holds_claim(job)
-    pipeline.fetch(job, Purpose.SNAPSHOT_NOW)
+def test_the_pipeline_alone_tells_the_driver_of_a_miss_and_of_a_watched_hit(store: Store, make) -> None:
+    # The cache hands a miss over (add) and a hit it keeps (watch); the driver hears of each
+    # once, from the pipeline, and of a miss already on its way not at all.
+    pipeline, _ = make()
+    driver = Fake(Snapshot([b"x"]))
+    driver.gate.clear()
+    miss = _job(driver)
+    assert pipeline.add(miss) and driver.told == [("built", miss)]
+    pipeline.fetch(miss, Purpose.SNAPSHOT_NOW)
+    assert not pipeline.add(_job(driver)) and driver.told == [("built", miss)]
+    driver.gate.set()
     assert pipeline.wait(30)
-    assert counters.snapshot().writes == 1 and counters.snapshot().warmups == 1
+    entry = store.load(miss.key)
+    hit = _job(driver, "e" * 64)
+    pipeline.watch(hit, entry, Hit(HitOutcome.USED))
+    assert driver.told == [("built", miss)]  # this driver watches no hits: not kept either
+    assert pipeline.job(hit.key) is None
+    driver.watches_hits = True
+    pipeline.watch(hit, entry, Hit(HitOutcome.USED))
+    assert driver.told == [("built", miss), ("watch", hit)] and pipeline.job(hit.key) is hit
 
 
 def test_a_refresh_rewrites_only_what_changed(store: Store, make) -> None:

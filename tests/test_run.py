@@ -122,12 +122,14 @@ def test_run_strategy_option_and_the_console_script(driver, cache_dir, tmp_path)
     exe = Path(sys.executable).with_name("asyncclcache")
     if not exe.exists():
         pytest.skip("no console script next to this interpreter")
-    proc = _run([str(exe), "run", "--dir", str(cache_dir), "--strategy", "sync", "--stats", str(driver)],
+    # A strategy that is gone reaches the program (one warning there) and auto serves it.
+    proc = _run([str(exe), "run", "--dir", str(cache_dir), "--strategy", "process", "--stats", str(driver)],
                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("RemovedStrategyWarning: asyncclcache: strategy 'process' is gone") == 1, proc.stderr
     entries = list(Store(cache_dir, rank_local=False, create=False).entries())
     kinds = {Store(cache_dir, rank_local=False).read(e.key).entry.kind for e in entries}
-    assert kinds == {"binary"} and len(entries) == 3  # sync stores binaries, kcache folders
+    assert kinds == {"kcache"} and len(entries) == 3
 
 
 def test_run_command_gets_the_activation_and_returns_its_status(tmp_path, cache_dir):

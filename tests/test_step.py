@@ -47,7 +47,7 @@ def test_step_snapshot_packs_the_launched_variant(cache_dir):
     assert cold["step"] == [1, 0, 1]
     assert cold["variants_before_launch"] == []
     # auto picks kcache on pocl: the entry is pocl's own folder, nothing compiled for it.
-    assert cold["stats"]["writes"] == 1 and cold["stats"]["warmups"] == 0
+    assert cold["stats"]["writes"] == 1
 
     warm = child_json(run_child(STEP_RUN, str(cache_dir)))  # empty POCL_CACHE_DIR: new node
     assert warm["ok"]
@@ -89,14 +89,13 @@ else:
 
 
 def test_unchanged_program_is_not_rewritten_at_flush(cl_ctx, cache_dir, open_cache):
-    cache = open_cache(cache_dir, strategy="process")
+    cache = open_cache(cache_dir)
     prg = acc.Program(cl_ctx, small_source(), cache=cache).build()
     assert run_twice(cl_ctx, prg)
     assert cache.flush(120)
-    # The launch compiled its variant before the helper (a new process) got to the
-    # snapshot, so the entry has it and later flushes do not even ask the helper.
+    # The snapshot came after the launch: the entry has its variant, and later flushes
+    # find nothing new in pocl's folder.
     assert cache.flush(120) and cache.flush(120)
-    assert cache.drivers["process"].requests == 1
     assert cache.stats().writes == 1 and cache.stats().refreshes == 0
     cache.close()
 
@@ -154,21 +153,3 @@ def test_default_cache_step_shortcut(cl_ctx):
         assert step.misses == 1 and run_twice(cl_ctx, prg)
     finally:
         acc.default_cache().close()  # the next user of the default cache gets a fresh one
-
-
-@pytest.mark.slow
-def test_refresh_matches_by_program_not_kernel_name(cl_ctx, cache_dir, open_cache):
-    # Issue 12: 12 programs whose kernel is named `k` cost 78 helper requests at flush.
-    cache = open_cache(cache_dir, strategy="process")
-    prgs = [acc.Program(cl_ctx, small_source(name="k", salt=f"same-name-{i}", repeat=i + 1), cache=cache).build()
-            for i in range(12)]
-    assert cache.flush(300)
-    for p in prgs:  # a launch, then a flush: only that program gained a variant
-        assert run_twice(cl_ctx, p, name="k", local_size=(4,))
-        assert cache.flush(300)
-    assert cache.flush(300)
-    driver = cache.drivers["process"]
-    # One snapshot each, plus one refresh each for the variant its launch compiled.
-    assert driver.requests == 24, driver.requests
-    assert cache.stats().refreshes == 12
-    cache.close()

@@ -178,37 +178,6 @@ def test_the_sweep_removes_only_our_folders_whose_owner_is_gone(tmp_path: Path, 
     assert (tmp_path / "target" / "theirs").exists()
 
 
-# Every probe "not here": the process helper builds, reports its fallback priority, and
-# dies with its job through the parent watch.
-PROCESS_NOT_HERE = r"""
-import json, os, signal, sys, time
-import pyopencl as cl, asyncclcache as acc
-from _pocl import pocl_context
-ctx = pocl_context()
-cache = acc.Cache(sys.argv[1], strategy="process")
-acc.Program(ctx, "__kernel void f(__global float *c) { c[get_global_id(0)] = 6; }\n", cache=cache).build()
-flushed = cache.flush(120)
-driver = cache.drivers["process"]
-print(json.dumps({"flushed": flushed, "writes": cache.stats().writes, "errors": cache.stats().errors,
-                  "priority": driver.priority, "pid": driver.helper_pid}), flush=True)
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
-def test_the_process_helper_with_no_os_facilities(cache_dir: Path) -> None:
-    proc = run_child(PROCESS_NOT_HERE, str(cache_dir), env={**NOT_HERE, "POCL_KERNEL_CACHE": "0"}, timeout=180,
-                     check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    out = json.loads(proc.stdout.splitlines()[-1])
-    try:
-        assert out["flushed"] and (out["writes"], out["errors"]) == (1, 0), (out, proc.stderr)
-        assert out["priority"] == "nice 19"
-        assert gone([out["pid"]], 5.0), "the helper outlived its job"
-    finally:
-        if alive(out["pid"]):
-            os.kill(out["pid"], signal.SIGKILL)
-
-
 # Every probe "not here": the idle baker does not start; its keys are counted; the job
 # ends at once, with no process and no folder left.
 IDLE_NOT_HERE = r"""

@@ -26,6 +26,7 @@ from .errors import (
     CacheDirWarning,
     CorruptEntryWarning,
     InsecureCacheWarning,
+    RemovedStrategyWarning,
     WriteFailedWarning,
 )
 
@@ -74,6 +75,7 @@ __all__ = [
     "CorruptEntryWarning",
     "InsecureCacheWarning",
     "Program",
+    "RemovedStrategyWarning",
     "Stats",
     "Step",
     "WriteFailedWarning",

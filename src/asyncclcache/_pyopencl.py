@@ -1,7 +1,7 @@
 """pyopencl's private names, in one place.
 
-The drop-in build (:mod:`.program`), the binary check of a stored entry, pocl's helper
-process and kcache's probe build need a few things of ``pyopencl`` beyond its public
+The drop-in build (:mod:`.program`), the binary check of a stored entry, kcache's probe
+build and ``asyncclcache bake`` need a few things of ``pyopencl`` beyond its public
 API: a program object that pyopencl's own cache does not touch (``_cl._Program``), the
 build options as pyopencl processes them, its error path with the build log. A
 pyopencl release that renames one of them breaks here, in one file, and nowhere else.

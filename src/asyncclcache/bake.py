@@ -17,7 +17,7 @@ same claim, checksum and atomic publish as every write. An entry is baked only w
 this process computes the same key for it (the same pyopencl, pocl settings and header
 contents): when in doubt, skip.
 A hit prefers the baked binary while it holds every file of its entry
-(:meth:`.drivers.kcache.KcacheDriver.build_from_baked`).
+(:meth:`.drivers.kcache_folders.KcacheDriver.build_from_baked`).
 
 Thread- and process-safe: any number of bakes and jobs may share a directory.
 """
@@ -139,7 +139,7 @@ def _pocl_devices() -> list[dict[str, str]] | str:
 
 
 def _baked_fresh(store: Store, key: str, meta: EntryMeta) -> bool:
-    from .drivers.poclcache import lacks
+    from .drivers.folders import lacks
 
     baked = store.read_meta(store.path_for(baked_key(key)))
     return baked is not None and baked.baked_from == key and not lacks(baked.baked_files or (), meta.files or ())
@@ -150,15 +150,41 @@ def _baked_fresh(store: Store, key: str, meta: EntryMeta) -> bool:
 # {{{ one entry, in a worker process
 
 
+class _Devices:
+    """This process's OpenCL devices, found by identity (:func:`~asyncclcache.keys.device_identity`),
+    with one context per set of them. Not thread-safe: one per process."""
+
+    def __init__(self) -> None:
+        import pyopencl as cl
+
+        from .keys import device_identity
+
+        self._cl = cl
+        self._all = [(device_identity(d), d) for p in cl.get_platforms() for d in p.get_devices()]
+        self._contexts: dict[tuple[int, ...], Any] = {}
+
+    def find(self, identities: Sequence[dict[str, str]]) -> tuple[Any, list[Any]]:
+        """``(context, devices)`` for ``identities``; ``LookupError`` where one is not here."""
+        devices = []
+        for ident in identities:
+            match = [d for i, d in self._all if i == ident]
+            if not match:
+                raise LookupError(f"no device matches {ident.get('device_name')!r}")
+            devices.append(match[0])
+        ids = tuple(d.int_ptr for d in devices)
+        ctx = self._contexts.get(ids)
+        if ctx is None:
+            ctx = self._contexts[ids] = self._cl.Context(devices)
+        return ctx, devices
+
+
 class _Worker:
     """Bakes entries in this process: a private pocl kernel cache, emptied before each
     entry, and one context per set of devices. Not thread-safe (one per process)."""
 
     def __init__(self, pocl_dir: Path) -> None:
-        from .drivers.pocl_helper import Devices
-
         self.pocl_dir = pocl_dir
-        self._devices = Devices()
+        self._devices = _Devices()
         # Each build runs in its entry's folder: a relative import path ("" of a parent
         # run as ``python -c``) must keep naming this process's own, never that one.
         sys.path[:] = _pinned(sys.path)
@@ -224,7 +250,7 @@ class _Worker:
         from . import _pyopencl
         from .binaries import program_binaries
         from .drivers.cachefiles import restore
-        from .drivers.poclcache import entry_folders, mark, moved, valid_file
+        from .drivers.folders import entry_folders, mark, moved, valid_file
 
         for child in list(self.pocl_dir.iterdir()):  # a fresh kernel cache for each entry
             if child.is_dir() and not child.is_symlink():

@@ -92,7 +92,7 @@ def program_binaries(program: cl.Program | cl._cl._Program, devices: Sequence[cl
     """The program's binaries for ``devices``, in that order, without holding the GIL.
 
     Thread-safe as far as the driver is: do not call it on pocl in a process that
-    launches kernels (docs/design.md F3, F13); pocl's strategy queries in a helper process.
+    launches kernels (docs/design.md F3, F13); only ``asyncclcache bake``'s workers query pocl.
     Raises :class:`BinaryQueryError`, or ``ValueError`` if a device has no binary.
     """
     if _opencl() is None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import summary
-from .config import STRATEGIES, get_config, parse_size
+from .config import STRATEGIES, get_config, parse_size, strategy_in_use
 from .drivers import Build, Driver, Hit, HitOutcome, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
 from .errors import BackgroundError, BinaryRejectedWarning
@@ -140,13 +140,16 @@ _CLOSED: list[tuple[str, Stats]] = []
 #: the driver's own cache (pocl's, pyopencl's) holding it already, so a hit saves nothing
 #: then. The newest MAX_BUILT_KEYS; a forked child keeps its parent's (and their caches).
 _BUILT: dict[str, None] = {}
-_built_lock = threading.Lock()
 MAX_BUILT_KEYS = 1 << 16
+#: Why nothing is cached, as this process said it once (:meth:`Cache.record_cache_off`).
+_TOLD: set[str] = set()
+#: Guards _BUILT and _TOLD.
+_process_lock = threading.Lock()
 
 
 def _first_build(key: str) -> bool:
     """Whether this process builds ``key`` for the first time; remembers it. Thread-safe."""
-    with _built_lock:
+    with _process_lock:
         if key in _BUILT:
             return False
         _BUILT[key] = None
@@ -167,9 +170,10 @@ class Cache:
     :arg directory: root directory (default ``ASYNCCLCACHE_DIR`` or the user cache dir).
     :arg rank_local: one subdirectory per MPI rank (default: yes, under MPI).
     :arg strategy: ``auto``, ``kcache`` (the driver's own cache: pocl's kernel-cache folder,
-        NVIDIA's compute cache, Mesa's shader cache), ``process`` (pocl helper and binary
-        query), ``thread`` or ``sync``. Default (``None``): ``ASYNCCLCACHE_STRATEGY``, else
-        ``auto``.
+        NVIDIA's compute cache, Mesa's shader cache) or ``thread`` (the binary query on a
+        writer thread). Default (``None``): ``ASYNCCLCACHE_STRATEGY``, else ``auto``.
+        ``process`` and ``sync`` are gone: ``auto`` serves instead, with one
+        :class:`~asyncclcache.errors.RemovedStrategyWarning`.
     :arg workers: background writer threads. Default (``None``): ``ASYNCCLCACHE_WORKERS``,
         else 1. An explicit argument always wins over the environment.
     :arg max_size: bound of the directory in bytes (or ``"500M"``); least recently used
@@ -192,7 +196,7 @@ class Cache:
     ) -> None:
         cfg = get_config()
         # An explicit argument wins; None takes the environment's (or the default).
-        strategy = cfg.strategy if strategy is None else strategy
+        strategy = strategy_in_use(cfg.strategy if strategy is None else strategy)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         workers = cfg.workers if workers is None else workers
@@ -213,7 +217,7 @@ class Cache:
             summary.register()
 
     def _start_fresh(self) -> None:
-        # At creation, and in a forked child: the parent's threads, helper and pending work
+        # At creation, and in a forked child: the parent's threads, baker and pending work
         # did not come along. Its claims (flocks) are shared with the parent: left alone.
         self._lock = threading.RLock()
         self._counters = Counters()
@@ -292,8 +296,8 @@ class Cache:
     def close(self, timeout: float | None = None) -> bool:
         """Flush for up to ``timeout`` seconds (default: the exit timeout), then stop.
 
-        Work still pending is dropped, never half-written; the helper process is
-        reaped. Idempotent: only the first call flushes, even if it was interrupted.
+        Work still pending is dropped, never half-written; the idle baker is
+        killed. Idempotent: only the first call flushes, even if it was interrupted.
         Ctrl-C during the flush stops the wait at once, drops what is pending and
         re-raises the ``KeyboardInterrupt``. Builds after close are plain, uncached
         builds. Returns what :meth:`flush` returned.
@@ -316,7 +320,7 @@ class Cache:
 
     def _stop(self, grace: float) -> None:
         # Drop what is pending (jobs end as no-ops; entries are written atomically, so
-        # none is half-written), stop the threads and the helper, record the counters.
+        # none is half-written), stop the threads and the baker, record the counters.
         with self._lock:
             drivers = list(self._drivers.values())
         self._pipeline.close()
@@ -505,8 +509,7 @@ class Cache:
             job = Job(b.info, b.source, b.devices, list(meta.build_logs), driver,
                       kernels=tuple(meta.kernels), created=time.time(), build_seconds=meta.compile_seconds,
                       cwd=Job.caller_cwd())  # a refresh rewrites the entry: where it builds (bake)
-            driver.watch(job, entry, hit)
-            self._pipeline.watch(job)
+            self._pipeline.watch(job, entry, hit)
 
     def _missed(
         self, b: Build, program: Any, looked_up_at: float, *, seconds: float, built: tuple[float, float],
@@ -530,7 +533,7 @@ class Cache:
             b.info, b.source, b.devices, logs, driver, seen=seen,
             kernels=tuple(kernels), created=looked_up_at, built_from=built[0],
             built_to=built[1], build_seconds=seconds,
-            # What the key saw: another process rebuilding it (the helper) needs the same.
+            # What the key saw: a rebuild elsewhere (kcache's probe, a bake) needs the same.
             cwd=Job.caller_cwd(), environ=Job.caller_environ(),
             program=program if driver.needs_program else None,  # kept alive until taken
         )
@@ -538,13 +541,9 @@ class Cache:
             with self._lock:
                 step = self._steps[-1] if self._steps else None
                 if step is not None:
-                    step.jobs.append(job)
-            driver.built(job)
+                    step.jobs.append(job)  # its snapshot waits for the step's end
             if step is None:
                 self._pipeline.fetch(job, Purpose.SNAPSHOT)
-            elif driver.warms_up:
-                # The warm-up may run now, in the other process; the snapshot waits for the step.
-                self._pipeline.fetch(job, Purpose.WARMUP)
         self.record_overhead(time.perf_counter() - t0)
 
     def _forget(self, key: str) -> None:
@@ -556,6 +555,17 @@ class Cache:
     def record_uncacheable(self) -> None:
         """A program built plainly because its key could not be known for certain."""
         self._counters.add("uncacheable")
+
+    def record_cache_off(self, driver: Driver) -> None:
+        """A program built plainly because nothing is cached for its devices (``driver``
+        does not store: strategy ``off``); the first time in this process, one log line
+        says why and what to do."""
+        self._counters.add("cache_off")
+        with _process_lock:
+            if driver.why in _TOLD:
+                return
+            _TOLD.add(driver.why)
+        logger.info("asyncclcache: not caching builds here: %s", driver.why)
 
     def record_overhead(self, seconds: float) -> None:
         """Time the cache spent in a caller's thread (keys, lookups, scheduling)."""
@@ -606,9 +616,9 @@ def step(*, wait: bool = False) -> Any:
 
 
 def _after_fork_in_child() -> None:
-    global _default_lock, _built_lock
+    global _default_lock, _process_lock
     _default_lock = threading.Lock()
-    _built_lock = threading.Lock()  # _BUILT stays: the parent's builds are in the driver's caches
+    _process_lock = threading.Lock()  # _BUILT stays: the parent's builds are in the driver's caches
     _CLOSED.clear()  # the parent's, reported by the parent
     for cache in list(_CACHES):
         cache._start_fresh()

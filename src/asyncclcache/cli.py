@@ -206,6 +206,7 @@ def _opencl_versions(strategy: str) -> dict[str, Any]:
     try:
         import pyopencl as cl
 
+        from .config import strategy_in_use
         from .drivers import auto_reason, resolve_strategy
 
         out["pyopencl"] = cl.VERSION_TEXT
@@ -218,7 +219,7 @@ def _opencl_versions(strategy: str) -> dict[str, Any]:
             row: dict[str, Any] = {"name": p.name, "version": p.version, "devices": [d.name for d in devices]}
             if devices:
                 # What a build for this platform's devices uses, and why (auto's choice).
-                row["strategy"] = resolve_strategy(strategy, devices)
+                row["strategy"] = resolve_strategy(strategy_in_use(strategy), devices)
                 row["reason"] = auto_reason(devices)
             out["platforms"].append(row)
     except Exception as e:  # noqa: BLE001 - info must work without a driver

@@ -4,7 +4,7 @@
 ``ASYNCCLCACHE_DIR``            cache directory (default: the user cache directory)
 ``ASYNCCLCACHE_DISABLE``        ``1``: no caching at all, plain pyopencl builds
 ``ASYNCCLCACHE_RANK_LOCAL``     ``0``: ranks share one directory; ``1``: one each
-``ASYNCCLCACHE_STRATEGY``       ``auto`` | ``kcache`` | ``process`` | ``thread`` | ``sync``
+``ASYNCCLCACHE_STRATEGY``       ``auto`` | ``kcache`` | ``thread`` (``process``, ``sync``: gone, ``auto``)
 ``ASYNCCLCACHE_WORKERS``        background writer threads (default 1)
 ``ASYNCCLCACHE_FAILURE_FATAL``  ``1``: background failures raise in ``flush()``
 ``ASYNCCLCACHE_EXIT_TIMEOUT``   seconds to wait for pending work at exit (default 5)
@@ -21,15 +21,46 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ._flags import parse_bool
+from .errors import RemovedStrategyWarning
 
-__all__ = ["BAKE_MODES", "STRATEGIES", "Config", "get_config", "parse_bool", "parse_size"]
+__all__ = [
+    "BAKE_MODES", "RETIRED_STRATEGIES", "STRATEGIES", "Config", "get_config", "parse_bool", "parse_size",
+    "strategy_in_use",
+]
 
-STRATEGIES = ("auto", "kcache", "process", "thread", "sync")
+STRATEGIES = ("auto", "kcache", "thread")
+#: Strategies that are gone, with what to tell whoever still asks for one: ``auto`` serves instead.
+RETIRED_STRATEGIES = {
+    "process": ("its helper process compiled every program again; pocl's kernel cache (kcache) "
+                "stores what it stored, compiling nothing, and `asyncclcache bake` makes binaries "
+                "after the job. Where pocl's kernel cache is off, nothing is cached: "
+                "`asyncclcache info` says what to do"),
+    "sync": "it queried binaries in the caller's thread, for comparison only (the benchmarks' pyopencl column)",
+}
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def strategy_in_use(name: str) -> str:
+    """``name``, or ``auto`` for a strategy that is gone (:data:`RETIRED_STRATEGIES`), with one
+    :class:`~asyncclcache.errors.RemovedStrategyWarning` per name and process. Thread-safe."""
+    why = RETIRED_STRATEGIES.get(name)
+    if why is None:
+        return name
+    with _warned_lock:
+        first = name not in _warned
+        _warned.add(name)
+    if first:
+        warnings.warn(f"asyncclcache: strategy {name!r} is gone: {why}; using auto instead",
+                      RemovedStrategyWarning, stacklevel=3)
+    return "auto"
 BAKE_MODES = ("off", "idle")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -73,7 +104,7 @@ class Config:
         """Parse the environment. Bad values raise ``ValueError`` naming the variable."""
         e = os.environ if env is None else env
         strategy = e.get("ASYNCCLCACHE_STRATEGY", "auto").strip().lower() or "auto"
-        if strategy not in STRATEGIES:
+        if strategy not in STRATEGIES and strategy not in RETIRED_STRATEGIES:  # retired: warned at use
             raise ValueError(f"ASYNCCLCACHE_STRATEGY: expected one of {STRATEGIES}, got {strategy!r}")
         workers = int(_number(e, "ASYNCCLCACHE_WORKERS", "1", int, "an integer"))
         if not 1 <= workers <= 256:

@@ -5,8 +5,8 @@ Every error derives from :class:`AsyncCLCacheError`, every warning from
 error that refines a built-in derives from it too, so ``except OSError`` (say) still
 catches an :class:`InsecurePathError`. The modules that raise them import them from
 here (``fileio.InsecurePathError`` is this module's). The package's control-flow
-exceptions (a driver's ``Dropped`` and ``Lost``, the helper's wire errors, the include
-scan's ``UncertainIncludes``) are caught inside it, never reach a user, and are not here.
+exceptions (a driver's ``Dropped`` and ``Lost``, the include scan's ``UncertainIncludes``)
+are caught inside it, never reach a user, and are not here.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ __all__ = [
     "CacheDirWarning",
     "CorruptEntryWarning",
     "EntryFormatError",
-    "HelperError",
     "InsecureCacheWarning",
     "InsecurePathError",
+    "RemovedStrategyWarning",
     "UsageError",
     "WriteFailedWarning",
 ]
@@ -35,10 +35,6 @@ class AsyncCLCacheError(Exception):
 
 class BackgroundError(AsyncCLCacheError, RuntimeError):
     """Raised by ``flush()`` for a background failure when ``ASYNCCLCACHE_FAILURE_FATAL=1``."""
-
-
-class HelperError(AsyncCLCacheError, RuntimeError):
-    """The ``process`` strategy's helper failed to start, died, or failed a request (a background failure)."""
 
 
 class BinaryQueryError(AsyncCLCacheError, RuntimeError):
@@ -83,6 +79,11 @@ class CorruptEntryWarning(AsyncCLCacheWarning):
 
 class BinaryRejectedWarning(AsyncCLCacheWarning):
     """The driver rejected a stored binary; the program was rebuilt from source."""
+
+
+class RemovedStrategyWarning(AsyncCLCacheWarning):
+    """A strategy that is gone was asked for (``process``, ``sync``); ``auto`` serves instead.
+    Once per strategy and process."""
 
 
 class WriteFailedWarning(AsyncCLCacheWarning):

@@ -204,22 +204,6 @@ class KeyInfo:
     deps: tuple[IncludeDep, ...]
     #: Why the includes cannot be known for certain (then nothing is cached), or ``None``.
     uncertain: str | None = None
-    #: Where the includes were looked up (absolute folders): :meth:`includes_now` repeats it.
-    include_path: tuple[str, ...] = ()
-    source_dir: str | None = None
-    source_dir_doubt: str | None = None
-
-    def includes_now(self, source: bytes) -> bool:
-        """Whether ``source``'s includes, looked up again now as they were for this key,
-        are still :attr:`deps` (the same files, with the same content): a process that
-        compiles the program later (the ``process`` helper) makes this key's code only
-        then. Thread-safe."""
-        try:
-            now = find_include_deps(source, self.include_path, source_dir=self.source_dir,
-                                    source_dir_doubt=self.source_dir_doubt)
-        except UncertainIncludes:
-            return False
-        return now == self.deps
 
 
 def device_identity(device: cl.Device) -> dict[str, str]:
@@ -501,8 +485,7 @@ def make_key(
     identities = tuple(device_identity(d) for d in devices)
     settings, uncertain = settings_of(devices)
     deps: tuple[IncludeDep, ...] = ()
-    # Absolute, the same lookup from another working directory (KeyInfo.includes_now); not
-    # normalised: the OS resolves ".." after symbolic links, as for the compiler.
+    # Absolute, not normalised: the OS resolves ".." after symbolic links, as for the compiler.
     try:
         cwd = os.getcwd()
     except OSError:
@@ -518,7 +501,7 @@ def make_key(
     source_sha = hashlib.sha256(source).hexdigest()
     key = key_of(devices, options, source_sha, [[d.path, d.sha256] for d in deps], kind=kind,
                  environment=settings)
-    return KeyInfo(key, identities, options, source_sha, deps, uncertain, path, folder, source_dir_doubt)
+    return KeyInfo(key, identities, options, source_sha, deps, uncertain)
 
 
 def key_of(

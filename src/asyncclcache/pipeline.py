@@ -5,8 +5,10 @@
     fetch ─▶ claim the key (store lock) ─▶ driver.fetch ─▶ publish (writer thread)
                  └ held or written by another process: skipped
 
+* **add**: the cache hands over a miss (:meth:`Pipeline.add`) or a hit kept for a refresh
+  (:meth:`Pipeline.watch`); the pipeline alone calls the driver's per-job hooks.
 * **fetch**: a job is pending from here until done; claiming touches the disk, so it
-  runs on a writer thread (unless the driver is ``inline``).
+  runs on a writer thread.
 * **claim**: one process per key does the work; the others skip and count it.
 * **publish**: the snapshot becomes an :class:`~.entry.Entry` written atomically
   under the claim; then the size bound is kept (least recently used entries go).
@@ -29,6 +31,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from . import _version, maintenance
 from .drivers import Dropped, Job, Lost, PerJob, Purpose, Snapshot
@@ -38,6 +41,9 @@ from .locks import Claim
 from .stats import Counters
 from .store import PublishResult, Store
 from .workers import Workers
+
+if TYPE_CHECKING:
+    from .drivers import Hit
 
 __all__ = ["MAX_JOBS", "Pipeline"]
 
@@ -98,7 +104,8 @@ class Pipeline:
         return self._track(job).claim is not None
 
     def add(self, job: Job) -> bool:
-        """Keep ``job`` (a program just built); False if the same key is already on its way."""
+        """Keep ``job`` (a program just built, the caller's thread) and tell its driver
+        (:meth:`~.drivers.Driver.built`); False if the same key is already on its way."""
         with self._lock:
             if job.key in self._jobs and job.key in self._inflight:
                 return False
@@ -106,10 +113,15 @@ class Pipeline:
         if not self._swept:
             self._swept = True
             self.workers.submit(self._sweep)
+        job.driver.built(job)
         return True
 
-    def watch(self, job: Job) -> None:
-        """Keep ``job`` (a hit) so that :meth:`refresh` may rewrite its entry."""
+    def watch(self, job: Job, entry: Entry, hit: Hit) -> None:
+        """Keep ``job``, a hit of ``entry`` (the caller's thread), so that :meth:`refresh` may
+        rewrite its entry, where its driver watches hits (:meth:`~.drivers.Driver.watch`)."""
+        if not job.driver.watches_hits:
+            return
+        job.driver.watch(job, entry, hit)
         with self._lock:
             if job.key in self._inflight:
                 return
@@ -173,11 +185,8 @@ class Pipeline:
                 return
             self._pending += 1
             self._inflight.add(job.key)
-        if job.driver.inline:
-            self._start(job, purpose)
-        else:
-            # Claiming touches the disk: not on the caller's thread.
-            self.workers.submit(self._start, job, purpose)
+        # Claiming touches the disk: not on the caller's thread.
+        self.workers.submit(self._start, job, purpose)
 
     def refresh(self) -> None:
         """Fetch again the written jobs whose programs gained variants (the driver tells)."""
@@ -209,8 +218,6 @@ class Pipeline:
     def _claim(self, job: Job, purpose: Purpose) -> _End | None:
         """Take the key's claim for ``job`` (a writer thread); how the fetch ends if not."""
         track = self._track(job)
-        if track.claim is not None:
-            return None
         with self._lock:
             # A refresh rewrites this process's own entry; anything else skips a key that
             # another process (or this one, for another job of it) wrote since the lookup.
@@ -231,16 +238,10 @@ class Pipeline:
         self, job: Job, purpose: Purpose, snap: Snapshot | None, error: BaseException | None
     ) -> None:
         # Runs in a driver's thread: hand disk I/O to the writers.
-        with self._lock:
-            track = self._track(job)
-            first = track.fetches == 0
-            track.fetches += 1
-        if first and job.driver.warms_up and error is None:
-            self.counters.add("warmups")
         if error is not None:
             self._end(job, _End.FAILED, error)
-        elif purpose is Purpose.WARMUP or snap is None:
-            self._end(job, _End.WARMED)
+        elif snap is None:
+            self._end(job, _End.DONE)
         else:
             self.workers.submit(self._publish, job, purpose, snap)
 
@@ -316,10 +317,9 @@ class Pipeline:
         counted, the job no longer pending. Called once per :meth:`fetch` that counted."""
         try:
             track = self._track(job)
-            if end is not _End.WARMED:  # a warm-up keeps the key for the snapshot that follows
-                claim, track.claim = track.claim, None
-                if claim is not None:
-                    claim.release()
+            claim, track.claim = track.claim, None
+            if claim is not None:
+                claim.release()
             if isinstance(error, Dropped) or end is _End.SKIPPED:
                 self.counters.add("skipped")  # another process's key, or shut down first
             elif isinstance(error, Lost):
@@ -353,8 +353,6 @@ class _End(enum.Enum):
     #: Written or found unchanged; or failed (with the error).
     DONE = "done"
     FAILED = "failed"
-    #: The driver's warm-up ran: the claim is kept for the snapshot that follows.
-    WARMED = "warmed"
     #: Another process claimed or wrote the key, or the cache closed first.
     SKIPPED = "skipped"
 
@@ -375,7 +373,6 @@ class _Track:
     claim: Claim | None = None
     #: Another process claimed the key: this one leaves it alone.
     yielded: bool = False
-    fetches: int = 0
     #: Digest of the snapshot last written, so a refresh writes only what changed.
     written_digest: str | None = None
 
@@ -407,9 +404,8 @@ def _meta(job: Job, purpose: Purpose, snap: Snapshot) -> EntryMeta:
         source=job.source.decode("utf-8", "surrogateescape") if job.driver.bakes else None,
         # Where it builds again: the folder its relative -I folders and quoted includes named.
         cwd=job.cwd if job.driver.bakes else None,
-        # What a hit saves: the source build plus what the driver compiled on its own (the
-        # helper's warm-up measures one code generation; the launch's costs about the same).
-        compile_seconds=job.build_seconds + snap.compile_seconds,
+        # What a hit saves: the source build.
+        compile_seconds=job.build_seconds,
     )
 
 

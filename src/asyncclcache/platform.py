@@ -126,10 +126,11 @@ class Platform:
     #: Where its compiler looks first for the source's own ``#include "..."``, and a doubt
     #: about it (then an include found there, and not on the include path, is uncertain).
     include_rule: IncludeRule | None = None
-    #: The devices whose binary query compiles (docs/design.md F1): there ``auto`` picks
-    #: ``process`` where its own cache is not stored, and :attr:`why_process` says why.
+    #: The devices whose binary query compiles (docs/design.md F1): no binary is taken in
+    #: the job's process there, so where its own cache is not stored ``auto`` picks ``off``
+    #: (built plainly, counted ``cache_off``), and :attr:`why_off` says why and what to do.
     query_compiles: Callable[[cl.Device], bool] | None = None
-    why_process: str = ""
+    why_off: str = ""
 
     def __post_init__(self) -> None:
         if (self.layout is None) != (self.locate is None):

@@ -55,9 +55,7 @@ def cached_build(
         return PYOPENCL_BUILD(prg, options, devices, cache_dir)
     t0 = time.perf_counter()
     build = _build_of(prg, cache, options, devices)
-    if build is None:
-        # A header we cannot track for certain could change without changing the key.
-        cache.record_uncacheable()
+    if build is None:  # not cached (counted)
         return PYOPENCL_BUILD(prg, options, devices, cache_dir)
     prg.cache_key = build.info.key  # type: ignore[attr-defined]
     cache.record_overhead(time.perf_counter() - t0)
@@ -71,10 +69,15 @@ def cached_build(
 def _build_of(
     prg: cl.Program, cache: Cache, options: str | Sequence[str] | None, devices: Sequence[cl.Device] | None,
 ) -> Build | None:
-    """The hand-off of one build to the cache (``None``: its key is uncertain)."""
+    """The hand-off of one build to the cache; ``None`` (counted): nothing is cached for its
+    devices, or its key is uncertain."""
     context = _pyopencl.context_of(prg)
-    options_bytes, include_path = _pyopencl.process_options(prg, options)
     devs = list(devices) if devices is not None else list(context.devices)
+    driver = cache.driver_for(devs)
+    if not driver.stores:
+        cache.record_cache_off(driver)
+        return None
+    options_bytes, include_path = _pyopencl.process_options(prg, options)
     source = _pyopencl.unbuilt_source(prg)
     assert source is not None
     source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
@@ -82,10 +85,12 @@ def _build_of(
     if doubt is not None and include_path[:1] == ["."]:
         # pyopencl's "." stands for the folder beside the source: the doubt is about it.
         include_path = include_path[1:]
-    info = make_key(source_bytes, options_bytes, devs, include_path, kind=cache.driver_for(devs).kind,
+    info = make_key(source_bytes, options_bytes, devs, include_path, kind=driver.kind,
                     source_dir=folder, source_dir_doubt=doubt)
     if info.uncertain is not None:
+        # A header we cannot track for certain could change without changing the key.
         logger.info("asyncclcache: not caching a program: %s", info.uncertain)
+        cache.record_uncacheable()
         return None
     return Build(
         info, source_bytes, context, devs,

@@ -42,7 +42,7 @@ Run a program with every pyopencl.Program build going through the cache.
 
 options:
   --dir DIR       cache directory (ASYNCCLCACHE_DIR)
-  --strategy S    auto, kcache, process, thread or sync (ASYNCCLCACHE_STRATEGY)
+  --strategy S    auto, kcache or thread (ASYNCCLCACHE_STRATEGY)
   --stats         one summary line per process at exit (ASYNCCLCACHE_STATS=1)
   -               read the script from stdin, as python - does
   -m MODULE       run a module, as python -m does
@@ -67,7 +67,7 @@ class RunArgs:
 
 def parse(argv: Sequence[str]) -> RunArgs:
     """Options up to the program; everything after it is the program's own."""
-    from .config import STRATEGIES
+    from .config import RETIRED_STRATEGIES, STRATEGIES
 
     out = RunArgs()
     argv = list(argv)
@@ -91,7 +91,7 @@ def parse(argv: Sequence[str]) -> RunArgs:
             if name == "--dir":
                 out.directory = value
             elif name == "--strategy":
-                if value not in STRATEGIES:
+                if value not in STRATEGIES and value not in RETIRED_STRATEGIES:  # retired: warned at use
                     raise UsageError(f"run: --strategy must be one of {', '.join(STRATEGIES)}, got {value!r}")
                 out.strategy = value
             else:

@@ -72,11 +72,12 @@ class Stats:
     baked_hits: int = _counter("hits served by a baked binary (asyncclcache bake)")
     bakes_dropped: int = _counter("baked binaries not used at a hit (stale or refused), dropped")
     bakes_not_queued: int = _counter("entries the idle baker could not take (busy, or off here): bake later")
-    warmups: int = _counter("first binary queries in the helper (pocl's generic compile)")
     refreshes: int = _counter("entries rewritten because the program gained variants")
     skipped: int = _counter("writes left to another process that held the key, or dropped at shutdown")
     rejected: int = _counter("stored binaries the driver refused (rebuilt from source)")
     uncacheable: int = _counter("builds not cached: an #include that cannot be resolved for certain")
+    cache_off: int = _counter("builds not cached: the driver's own cache is off where asyncclcache "
+                              "needs it (pocl's kernel cache; asyncclcache info says what to do)")
     unidentified: int = _counter("kcache: pocl's folder of a build not found, or removed under us")
     incomplete_hits: int = _counter("driver caches: hits after which the driver wrote files anyway")
     left_out: int = _counter("driver caches: files of a build not stored (bounds, trust rules, gone)")
@@ -87,7 +88,7 @@ class Stats:
     # they would say nothing about the directory.
     main_thread_seconds: float = _counter("time the cache spent in callers' threads",
                                           lifetime=False, line="never", unit="s")
-    background_cpu_seconds: float = _counter("CPU time of the cache's own threads (not a helper's)",
+    background_cpu_seconds: float = _counter("CPU time of the cache's own threads (not the baker's)",
                                              lifetime=False, line="never", unit="s")
 
     def line(self, label: str = "asyncclcache") -> str:

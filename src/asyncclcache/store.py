@@ -381,7 +381,7 @@ class Store:
     ) -> Claim | None:
         """Take the per-key lock without blocking; ``None`` if another process holds it.
 
-        The holder does the warm-up and the write for ``key``; everyone else skips.
+        The holder retrieves and writes ``key``'s entry; everyone else skips.
         The lock is an ``flock``: a killed holder's claim expires with it. Pass the
         claim to :meth:`publish` and release it when done. Thread-safe.
 

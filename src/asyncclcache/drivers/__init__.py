@@ -1,18 +1,24 @@
 """The strategies that bring a build's code into an entry, behind one small interface
-(:class:`Driver`). What each OpenCL implementation is (its cache, its layout, what ``auto``
-picks there and why) is not here: the drivers ask :mod:`asyncclcache.platforms`.
+(:class:`Driver`), one module per strategy or mechanism. What each OpenCL implementation is
+(its cache, its layout, what ``auto`` picks there and why) is not here: the drivers ask
+:mod:`asyncclcache.platforms`.
 
 * ``kcache``: the driver's own disk cache is the entry; nothing is compiled for the
-  cache. What ``auto`` picks wherever that cache is on and its layout is known: a
-  folder per program (pocl's kernel cache: :mod:`.kcache`, driver ``kcache``) or one
-  file per item (NVIDIA's compute cache, Mesa's shader cache: :mod:`.filecache`,
-  drivers ``kcache-nvidia`` and ``kcache-mesa``).
-* ``process`` (:mod:`.pocl`): a helper process does the warm-up and the snapshot
-  (binary query). What ``auto`` picks where a device's binary query compiles (pocl's
-  CPU devices) and its own cache is off; asked for elsewhere, ``auto``'s pick instead.
-* ``thread`` (:mod:`.inprocess`): a worker thread queries through ctypes. What
-  ``auto`` picks for everything else.
-* ``sync`` (:mod:`.inprocess`): inline, for comparison.
+  cache. What ``auto`` picks wherever that cache is on and its layout is known. Two
+  mechanisms, one per shape of cache:
+
+  - :mod:`.kcache_folders`: one folder per program (pocl's kernel cache; driver
+    ``kcache``), found and read by :mod:`.folders`;
+  - :mod:`.kcache_files`: one file per item, named by its content's hash (NVIDIA's
+    compute cache, Mesa's shader cache; drivers ``kcache-nvidia``, ``kcache-mesa``).
+
+  Both share :mod:`.background` (their thread) and :mod:`.cachefiles` (the trust rules,
+  reading and restoring files).
+* ``thread`` (:mod:`.thread`): a worker thread queries the binaries through ctypes. What
+  ``auto`` picks where the binary query is a copy and no driver cache is known.
+* ``off`` (:mod:`.off`): nothing is cached. What ``auto`` picks where the binary query
+  compiles (pocl's CPU devices) and the driver's own cache is off; the platform's record
+  says what to do instead.
 """
 
 from __future__ import annotations
@@ -73,53 +79,47 @@ def driver_cache(devices: Sequence[cl.Device]) -> tuple[str | None, Path | None,
 
 def auto_strategy(devices: Sequence[cl.Device]) -> str:
     """The driver's own cache (``kcache``, ``kcache-nvidia``, ``kcache-mesa``) where it is on
-    and known (:func:`driver_cache`); else ``process`` when some device's binary query
-    compiles (pocl's CPU devices); else ``thread``."""
+    and known (:func:`driver_cache`); else ``off`` when some device's binary query
+    compiles (pocl's CPU devices: no binary is taken in the job's process); else ``thread``."""
     name, _, _ = driver_cache(devices)
     if name is not None:
         return name
-    return "process" if any(_query_compiles(d) for d in devices) else "thread"
+    return "off" if any(_query_compiles(d) for d in devices) else "thread"
 
 
 def resolve_strategy(requested: str, devices: Sequence[cl.Device]) -> str:
-    """The driver to use: ``requested``, except that ``auto`` is resolved, ``kcache``
-    becomes the driver cache of these devices, or ``auto``'s pick where there is none, and
-    ``process`` becomes ``auto``'s pick where no device's binary query compiles (only there
-    does the helper save anything: elsewhere it would repeat the whole build).
+    """The driver to use: ``requested``, except that ``auto`` is resolved and ``kcache``
+    becomes the driver cache of these devices, or ``auto``'s pick where there is none.
     Thread-safe."""
     if requested in ("auto", "kcache"):
-        return auto_strategy(devices)
-    if requested == "process" and not any(_query_compiles(d) for d in devices):
         return auto_strategy(devices)
     return requested
 
 
 def make_driver(name: str, workers: Workers, devices: Sequence[cl.Device] = ()) -> Driver:
-    """A new driver ``name`` (as :func:`resolve_strategy` gives it); in-process strategies
-    run on the cache's ``workers``. A driver cache's directory is fixed now, for the
-    driver's life, as the OpenCL driver fixes it when it starts."""
+    """A new driver ``name`` (as :func:`resolve_strategy` gives it); ``thread`` runs on the
+    cache's ``workers``. A driver cache's directory is fixed now, for the driver's life,
+    as the OpenCL driver fixes it when it starts."""
     platform = platforms.by_strategy(name)
     if platform is not None and platform.layout is not None and platform.locate is not None:
         root, why = platform.locate(devices)
         if root is None:
             raise ValueError(f"strategy kcache: {why}")
         if platform.layout.per_program:
-            from .kcache import KcacheDriver
+            from .kcache_folders import KcacheDriver
 
             return KcacheDriver(root)
-        from .filecache import FileCacheDriver
+        from .kcache_files import FileCacheDriver
 
         return FileCacheDriver(root, platform.layout)
-    if name == "process":
-        from .pocl import HelperDriver
-
-        return HelperDriver()
-    from .inprocess import SyncDriver, ThreadDriver
-
     if name == "thread":
+        from .thread import ThreadDriver
+
         return ThreadDriver(workers)
-    if name == "sync":
-        return SyncDriver()
+    if name == "off":
+        from .off import OffDriver
+
+        return OffDriver(auto_reason(devices))
     raise ValueError(f"unknown strategy {name!r}")
 
 
@@ -130,7 +130,7 @@ def auto_reason(devices: Sequence[cl.Device]) -> str:
         return f"{why}: the entry stores those files, so the cache itself compiles nothing"
     for d in devices:
         if _query_compiles(d):
-            return why + platforms.find(d.platform.name).why_process  # type: ignore[union-attr]
+            return why + platforms.find(d.platform.name).why_off  # type: ignore[union-attr]
     return (
         f"{why}; its binary query returns what the build made without compiling again, so a "
         "background thread takes it (ctypes, GIL released)"

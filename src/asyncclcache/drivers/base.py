@@ -38,8 +38,6 @@ class Lost(Exception):
 class Purpose(enum.Enum):
     """Why the cache asks a driver for a job's binaries."""
 
-    #: Compile what a later snapshot needs (the helper's generic variant); nothing is written.
-    WARMUP = "warmup"
     #: The entry, once the program's first launches are likely done (outside a step).
     SNAPSHOT = "snapshot"
     #: The entry, now: a step ended, so its launches are done.
@@ -51,13 +49,10 @@ class Purpose(enum.Enum):
 @dataclass
 class Snapshot:
     """What a driver retrieved: per-device binaries (``files is None``), or the files of
-    a driver's own cache, ``blobs[i]`` being the content of ``files[i]``.
-    ``compile_seconds``: what the driver compiled for the program on its own (the
-    helper's generic variant), which a hit saves as well."""
+    a driver's own cache, ``blobs[i]`` being the content of ``files[i]``."""
 
     blobs: list[bytes]
     files: list[str] | None = None
-    compile_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -85,7 +80,7 @@ class Job:
     built_from: float = 0.0
     built_to: float = 0.0
     build_seconds: float = 0.0
-    #: The built program, kept alive for in-process strategies; ``None`` once written.
+    #: The built program, kept alive for a driver that ``needs_program``; ``None`` once written.
     program: Any = None
     #: The caller's working directory at the build, where relative ``-I`` folders and a
     #: quoted ``#include`` resolve (``None``: unknown, so no other process may rebuild it).
@@ -195,22 +190,24 @@ class Hit:
 class Driver(ABC):
     """Retrieves a job's binaries off the caller's thread and reports through ``done``.
 
-    ``fetch`` is called on a writer thread of the cache (on the caller's thread only for an
-    ``inline`` driver) and must return at once; the pipeline has at most one fetch of a
-    job in flight. What a driver learns about a job (its folders, what it wrote) it keeps
-    itself, and says which thread or lock guards it. The attributes say what the cache
-    must do differently; it never checks a name. Thread-safe.
+    The cache decides hit or miss; the pipeline (:mod:`asyncclcache.pipeline`) alone calls
+    the per-job hooks (:meth:`built`, :meth:`fetch`, :meth:`watch`, :meth:`written`).
+    ``fetch`` is called on a writer thread of the cache and must return at once; the
+    pipeline has at most one fetch of a job in flight. What a driver learns about a job
+    (its folders, what it wrote) it keeps itself, and says which thread or lock guards it.
+    The attributes say what the cache must do differently; it never checks a name.
+    Thread-safe.
     """
 
     name: str = ""
-    #: What its entries hold: ``binary`` (clGetProgramInfo) or ``kcache`` (pocl's files).
+    #: What its entries hold: ``binary`` (clGetProgramInfo) or ``kcache`` (a driver's own cache's files).
     kind: str = "binary"
+    #: ``False``: nothing is cached for these devices; builds are plain, counted ``cache_off``,
+    #: and :attr:`why` says what to do instead (strategy ``off``).
+    stores: bool = True
+    why: str = ""
     #: Whether the driver needs the main process's program object.
     needs_program: bool = False
-    #: ``fetch`` runs in the caller's thread (for comparison only).
-    inline: bool = False
-    #: Its first fetch compiles (a warm-up, counted); worth starting inside a step.
-    warms_up: bool = False
     #: Written entries may gain variants later (pocl launches): :meth:`stale` tells which.
     refreshable: bool = False
     #: A hit is worth watching for variants compiled after it (cheap to check).
@@ -228,7 +225,8 @@ class Driver(ABC):
             self.on_count(name, n)
 
     def built(self, job: Job) -> None:  # noqa: B027 - optional hook
-        """A miss was just built (caller's thread, must be cheap): start early work."""
+        """A miss was just built (the caller's thread, through the pipeline; must be cheap):
+        start early work."""
 
     @abstractmethod
     def fetch(self, job: Job, purpose: Purpose, done: Done) -> None:
@@ -258,8 +256,8 @@ class Driver(ABC):
         return Hit(HitOutcome.REFUSED, None, f"{self.name} does not load baked binaries")
 
     def watch(self, job: Job, entry: Entry, hit: Hit) -> None:  # noqa: B027 - optional hook
-        """``job`` stands for a hit that the cache keeps for a refresh (``watches_hits``):
-        note what ``entry`` holds (caller's thread, cheap)."""
+        """``job`` stands for a hit that the pipeline keeps for a refresh (``watches_hits``):
+        note what ``entry`` holds (the caller's thread, through the pipeline; cheap)."""
 
     def written(self, job: Job, snap: Snapshot) -> None:  # noqa: B027 - optional hook
         """An entry of ``job`` was written from ``snap`` (a writer thread; one at a time per job)."""

@@ -1,8 +1,8 @@
 """The files of a driver's own disk cache, as entries hold them: which may be stored or
 written into (the trust rules), reading one within an entry's bounds, and writing an
 entry's files back (never half a file, never over an existing one, never through a link).
-Shared by :mod:`.kcache` (pocl's folders) and :mod:`.filecache` (NVIDIA's and Mesa's
-items); each checks its own layout's names. Functions of the file system: thread- and
+Shared by :mod:`.kcache_folders` (pocl's folders) and :mod:`.kcache_files` (NVIDIA's and
+Mesa's items); each checks its own layout's names. Functions of the file system: thread- and
 process-safe as stated on each.
 """
 

@@ -5,7 +5,8 @@ Each module holds the facts of one implementation in one record
 devices, where its own cache lives and whether it is on, that cache's layout, its include
 rule, the settings that change its code, and what ``auto`` picks there and why:
 
-* :mod:`.pocl`: pocl (its kernel cache, strategy ``kcache``; ``process`` on its CPU devices);
+* :mod:`.pocl`: pocl (its kernel cache, strategy ``kcache``; ``off`` on its CPU devices
+  where that cache is off);
 * :mod:`.intel`: Intel's CPU runtime (settings and ``cl.cfg`` only);
 * :mod:`.nvidia`: NVIDIA's OpenCL (its compute cache, ``kcache-nvidia``);
 * :mod:`.mesa`: Mesa's rusticl (its shader cache, ``kcache-mesa``) and Clover (settings only).

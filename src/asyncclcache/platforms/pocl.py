@@ -31,7 +31,10 @@ there first (:func:`source_dir`).
 build; on its CUDA device also ``CUDA_HOME``.
 
 **What auto picks**: its kernel cache (``kcache``) on its CPU devices where the cache is
-on; else ``process``, since on its CPU devices the binary query compiles (F1, F3).
+on. Where it is off, nothing (``off``: built plainly, counted ``cache_off``): on its CPU
+devices the binary query compiles (F1, F3), so no binary is taken in the job's process,
+and :data:`WHY_OFF` says to turn the cache on, with what a helper process's binary gave
+instead (measured, issue 27).
 
 Pure functions of the environment: thread- and process-safe.
 """
@@ -58,6 +61,7 @@ __all__ = [
     "PROGRAM_FILE",
     "SETTINGS",
     "TOUCHED_FILE",
+    "WHY_OFF",
     "cache_environ",
     "cache_topdir",
     "is_cpu_device",
@@ -193,6 +197,20 @@ def _include_rule(options: bytes, cwd: str | None) -> tuple[str | None, str | No
 # }}}
 
 
+#: Why nothing is cached on pocl's CPU devices with its kernel cache off, and what to do.
+#: Measured (pocl 3.1, 2 cores, the seed program at N=600, POCL_KERNEL_CACHE=0): the former
+#: strategy ``process``, a helper process's binary query, cost 1.29x the cold wall time (3.98
+#: against 3.09 s) and 2.0x its CPU time, and its binary, which holds the generic variant
+#: only, gave a new node 0.80 of the cold time; the kernel cache on compiles nothing extra,
+#: and gives a new node 0.016 of it (benchmarks/RESULTS.md).
+WHY_OFF = ("; pocl's CPU device compiles a second, generic variant when asked for its binary, "
+           "under a process-wide lock that stalls every launch (docs/design.md F1, F3), so "
+           "nothing is cached here: set POCL_KERNEL_CACHE=1 (under MPI with pocl older than 6.0, "
+           "give each rank its own POCL_CACHE_DIR too, pocl#1480). With the cache on, its folder "
+           "is the entry and a new node starts in 0.016 of the cold time; a helper's binary "
+           "without it cost 1.3x the cold time, 2x its CPU, and still left a new node 0.80 of it")
+
+
 PLATFORM = Platform(
     names=(NAME,),
     settings=SETTINGS,
@@ -202,7 +220,5 @@ PLATFORM = Platform(
                "and that folder, restored on a new node, compiles nothing (docs/design.md F15, F16)"),
     include_rule=_include_rule,
     query_compiles=is_cpu_device,
-    why_process=(", and pocl's CPU device compiles a second, generic variant when asked for its "
-                 "binary under a process-wide lock that stalls every launch (docs/design.md F1, F3), "
-                 "so a lowest-priority helper process does the query"),
+    why_off=WHY_OFF,
 )

@@ -1,15 +1,14 @@
-"""pocl's kernel cache, the mechanisms: finding a build's folder, snapshots, whether a
-restore was used. Its names and layout are pocl's record's
-(:data:`asyncclcache.platforms.pocl.LAYOUT`).
+"""A driver cache of one folder per program (pocl's kernel cache), the mechanisms: finding
+a build's folder, snapshots, whether a restore was used. Its names and layout are pocl's
+record's (:data:`asyncclcache.platforms.pocl.LAYOUT`).
 
 pocl keeps each program it builds in a folder of its own, with its bitcode, a file that
 every build of the program touches, and a folder per kernel and variant launched; the
 generic variant comes from binary queries (docs/design.md F15). Here: which
 names an entry may hold (:func:`valid_file`), which folder a build touched
 (:func:`candidates`, :func:`choose`, :func:`mark`/:func:`moved`), whether its launches
-are done (:func:`ready`), what a folder holds (:func:`folder_files`, :func:`listing`)
-and when its variants were compiled (:func:`newest_variants`). Used by the ``kcache``
-driver (:mod:`.kcache`) and the helper's (:mod:`.pocl`).
+are done (:func:`ready`) and what a folder holds (:func:`folder_files`, :func:`listing`).
+Used by the folder driver (:mod:`.kcache_folders`) and ``asyncclcache bake``.
 
 Windows are in the file system's own time base (:class:`~asyncclcache.fsclock.FsClock`),
 never ``time.time()`` against a file's stamp. Only what we may trust is read
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..fileio import InsecurePathError
-from ..fsclock import FsClock, clock_for
+from ..fsclock import FsClock
 from ..platforms import pocl
 from .base import Lost, Snapshot
 from .cachefiles import MAX_ENTRY_BYTES, MAX_FILES, TMP_PREFIX, read_trusted, trusted_dir, untrusted
@@ -36,22 +35,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LAST_ACCESSED",
-    "build_candidates",
     "candidates",
     "choose",
     "entry_folders",
-    "find_folders",
     "folder_files",
     "folders_per_build",
     "generic",
-    "kernel_cache_dir",
     "lacks",
     "listing",
     "mark",
     "moved",
     "narrow",
-    "newest_variant",
-    "newest_variants",
     "ready",
     "valid_file",
     "window",
@@ -66,12 +60,6 @@ _PROGRAM = pocl.PROGRAM_FILE
 _GENERIC = pocl.GENERIC_PREFIX
 #: Touches this much (plus a tick) before the end of our build belong to other builds.
 CLOSE = 0.05
-
-
-def kernel_cache_dir() -> Path | None:
-    """pocl's kernel cache directory, as pocl finds it; ``None`` when pocl's cache is off
-    (:func:`asyncclcache.platforms.pocl.kernel_cache_dir`)."""
-    return pocl.kernel_cache_dir()
 
 
 def valid_file(rel: str) -> bool:
@@ -204,29 +192,6 @@ def folders_per_build(job: Job) -> int:
     """How many folders one build of ``job`` makes: one per kind of device."""
     # Devices of one kind share a folder; several kinds, one folder each.
     return max(1, len({tuple(sorted(d.items())) for d in job.info.devices}))
-
-
-def find_folders(root: Path, job: Job) -> tuple[str, ...]:
-    """``job``'s folders, now, in this thread: among new folders first, among all only if
-    none is new; then :func:`choose`. ``()``: not found. (The kcache driver does the same
-    in its thread, batched and with the full walks throttled; the helper driver needs it
-    before the helper touches a folder.)"""
-    if not job.built_to:
-        return ()
-    clock = clock_for(str(root)) or FsClock(root)  # unmeasurable: the worst case
-    windows = [window(clock, job)]
-    [found] = candidates(root, windows, new_only=True)
-    if not found:
-        [found] = candidates(root, windows)
-    return choose(root, found, job.kernels, clock.until(job.built_to), clock.tick, most=folders_per_build(job))
-
-
-def build_candidates(root: Path, job: Job) -> list[str]:
-    """The folders whose ``last_accessed`` lies in ``job``'s build window (the ones
-    :func:`find_folders` could not tell apart). Disk I/O: background threads."""
-    clock = clock_for(str(root)) or FsClock(root)
-    [found] = candidates(root, [window(clock, job)])
-    return [f for f, _ in found]
 
 
 def window(clock: FsClock, job: Job) -> tuple[float, float]:
@@ -362,64 +327,6 @@ def moved(root: Path, folder: str, before: os.stat_result | None) -> bool:
     except OSError:
         return False
     return before is None or (st.st_ino, st.st_mtime_ns) != (before.st_ino, before.st_mtime_ns)
-
-
-# }}}
-
-
-# {{{ variants' times
-
-
-def newest_variants() -> dict[str, float] | None:
-    """Kernel name -> newest modification time of its compiled variants in pocl's cache.
-
-    pocl keeps ``<dir>/<XX>/<program hash>/<kernel>/<variant>/``; a launch with a new
-    local size adds a variant (the generic one, ``0-0-0``, comes from binary queries).
-    One walk answers "did this program's kernels gain variants since its snapshot?"
-    for every program at once. ``None`` if the layout is
-    not what we expect (then every entry is refreshed).
-    """
-    root = kernel_cache_dir()
-    if root is None or not root.is_dir():
-        return None
-    newest: dict[str, float] = {}
-    try:
-        for prefix in os.scandir(root):
-            if not prefix.is_dir(follow_symlinks=False):
-                continue
-            for program in os.scandir(prefix.path):
-                if not program.is_dir(follow_symlinks=False):
-                    continue
-                for kernel, t in _variant_times(program.path):
-                    if t > newest.get(kernel, 0.0):
-                        newest[kernel] = t
-    except OSError:
-        return None
-    return newest
-
-
-def _variant_times(program_dir: str | Path) -> list[tuple[str, float]]:
-    """``(kernel, mtime)`` of each compiled variant in one program folder of pocl's cache,
-    except the generic ``0-0-0...`` one (the helper's own query makes that). Raises OSError."""
-    out = []
-    for kernel in os.scandir(program_dir):
-        if not kernel.is_dir(follow_symlinks=False):
-            continue
-        for variant in os.scandir(kernel.path):
-            if variant.is_dir(follow_symlinks=False) and not variant.name.startswith(_GENERIC):
-                out.append((kernel.name, variant.stat(follow_symlinks=False).st_mtime))
-    return out
-
-
-def newest_variant(root: Path, folders: Sequence[str]) -> float:
-    """The newest stamp of a compiled variant in ``folders`` (``inf``: gone or unreadable)."""
-    newest = 0.0
-    for folder in folders:
-        try:
-            newest = max([newest] + [t for _, t in _variant_times(root / folder)])
-        except OSError:
-            return float("inf")  # gone or unreadable: ask the helper
-    return newest
 
 
 # }}}

@@ -1,24 +1,25 @@
-"""Strategy ``kcache`` on pocl: store pocl's own kernel-cache folder of a program, not a binary.
+"""Strategy ``kcache`` on a driver cache of one folder per program (pocl's kernel cache):
+store the program's own folder, not a binary.
 
-That folder (its layout: :mod:`.poclcache`), put into an empty kernel cache on a new
+That folder (found and read by :mod:`.folders`), put into an empty kernel cache on a new
 node, is used as it is: the build skips the front end and the first launch compiles
 nothing (docs/design.md F16). So nothing is compiled for the cache at all: no binary
-query, no generic variant, no helper.
+query, no generic variant, no other process.
 
 * **Identify** (background thread): the folder whose ``last_accessed`` moved inside the
   build's window. Other builds move theirs too (threads, ranks sharing pocl's cache): a
   folder with kernels the program lacks, or owned by another user, is not ours; a touch
-  long before our build's end was another build's (:func:`~.poclcache.choose`). Folders
+  long before our build's end was another build's (:func:`~.folders.choose`). Folders
   still not told apart (the same kernel names at the same moment, or within a coarse
   tick) are settled by a probe: one more cached build of the program, and the folder
   pocl touches. Exactly one folder per kind of device, or nothing is stored (counted
   ``unidentified``): when in doubt, miss.
 * **Snapshot**: the folder's files, once every kernel has a variant compiled since the
   build (the first launches), else after :data:`SETTLE_SECONDS`, at a step's end or at
-  ``flush()``. Only files of ours, bounded in size (:func:`~.poclcache.folder_files`).
+  ``flush()``. Only files of ours, bounded in size (:func:`~.folders.folder_files`).
 * **Hit**: write the missing files into pocl's cache (:func:`~.cachefiles.restore`), do
   the plain source build, and check that pocl touched the folder: ``last_accessed``
-  appeared or changed (no clock involved; :func:`~.poclcache.mark` first sets an
+  appeared or changed (no clock involved; :func:`~.folders.mark` first sets an
   existing one back). If it did not, what we wrote is removed and the build is a plain
   miss. The entry is kept, since the cause may be a setting (pocl's cache elsewhere or
   off); this run's own snapshot replaces it where pocl did write a folder for it.
@@ -42,7 +43,7 @@ from ..platforms import pocl
 from .background import BackgroundDriver, Waiting
 from .base import Build, Done, Hit, HitOutcome, Job, Lost, PerJob, Snapshot
 from .cachefiles import restore, unrestore
-from .poclcache import (
+from .folders import (
     LAST_ACCESSED,
     candidates,
     choose,
