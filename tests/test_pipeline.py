@@ -192,11 +192,11 @@ def test_the_pipeline_alone_tells_the_driver_of_a_miss_and_of_a_watched_hit(stor
     assert pipeline.wait(30)
     entry = store.load(miss.key)
     hit = _job(driver, "e" * 64)
-    pipeline.watch(hit, entry, Hit(HitOutcome.USED))
+    pipeline.used(entry, Hit(HitOutcome.USED), hit)
     assert driver.told == [("built", miss)]  # this driver watches no hits: not kept either
     assert pipeline.job(hit.key) is None
     driver.watches_hits = True
-    pipeline.watch(hit, entry, Hit(HitOutcome.USED))
+    pipeline.used(entry, Hit(HitOutcome.USED), hit)
     assert driver.told == [("built", miss), ("watch", hit)] and pipeline.job(hit.key) is hit
 
 

@@ -422,7 +422,7 @@ class Cache:
 
     def _from_entry(self, b: Build, entry: Entry, looked_up_at: float) -> Built | None:
         """The hit policy, per :class:`HitOutcome`; ``None``: build from source."""
-        driver = self.driver_for(b.devices)
+        driver = b.driver
         if driver.bakes and entry.kind == "kcache":
             baked = self._from_baked(b, entry, driver)
             if baked is not None:
@@ -475,7 +475,7 @@ class Cache:
         self._counters.add("bakes_dropped")
         self._memory.forget(key)
         if self.active and self.store.writable:
-            self._workers.submit(self.store.remove, key)  # a later bake makes it again
+            self._pipeline.drop(key)  # a later bake makes it again
         return None
 
     def _lookup(self, info: KeyInfo) -> Entry | None:
@@ -499,17 +499,14 @@ class Cache:
         self._count_in_step(hit=True)
         if not (self.active and self.store.writable):
             return
-        # LRU bookkeeping: a cheap utime, off the caller's thread. A baked hit used both
-        # entries: the size bound and prune evict by last use.
-        for key in (entry.key,) if baked is None else (entry.key, baked):
-            self._workers.submit(self.store.touch, key)
-        driver = self.driver_for(b.devices)
-        if driver.watches_hits:
+        job = None
+        if b.driver.watches_hits:
             meta = entry.meta
-            job = Job(b.info, b.source, b.devices, list(meta.build_logs), driver,
+            job = Job(b.info, b.source, b.devices, list(meta.build_logs), b.driver,
                       kernels=tuple(meta.kernels), created=time.time(), build_seconds=meta.compile_seconds,
                       cwd=Job.caller_cwd())  # a refresh rewrites the entry: where it builds (bake)
-            self._pipeline.watch(job, entry, hit)
+        # A baked hit used both entries: the size bound and prune evict by last use.
+        self._pipeline.used(entry, hit, job, baked=baked)
 
     def _missed(
         self, b: Build, program: Any, looked_up_at: float, *, seconds: float, built: tuple[float, float],
@@ -527,7 +524,7 @@ class Cache:
         seen = self._memory.seen(b.info.key)
         if not (self.active and self.store.writable):
             return
-        driver = self.driver_for(b.devices)
+        driver = b.driver
         logs, kernels = b.describe(program)
         job = Job(
             b.info, b.source, b.devices, logs, driver, seen=seen,

@@ -5,8 +5,9 @@
     fetch ─▶ claim the key (store lock) ─▶ driver.fetch ─▶ publish (writer thread)
                  └ held or written by another process: skipped
 
-* **add**: the cache hands over a miss (:meth:`Pipeline.add`) or a hit kept for a refresh
-  (:meth:`Pipeline.watch`); the pipeline alone calls the driver's per-job hooks.
+* **add**: the cache hands over a miss (:meth:`Pipeline.add`) or a hit (:meth:`Pipeline.used`:
+  the entries touched, the job kept for a refresh); the pipeline alone calls the driver's
+  per-job hooks.
 * **fetch**: a job is pending from here until done; claiming touches the disk, so it
   runs on a writer thread.
 * **claim**: one process per key does the work; the others skip and count it.
@@ -116,10 +117,14 @@ class Pipeline:
         job.driver.built(job)
         return True
 
-    def watch(self, job: Job, entry: Entry, hit: Hit) -> None:
-        """Keep ``job``, a hit of ``entry`` (the caller's thread), so that :meth:`refresh` may
-        rewrite its entry, where its driver watches hits (:meth:`~.drivers.Driver.watch`)."""
-        if not job.driver.watches_hits:
+    def used(self, entry: Entry, hit: Hit, job: Job | None = None, *, baked: str | None = None) -> None:
+        """A build used ``entry`` (and its baked binary, of key ``baked``; the caller's thread):
+        each is touched off this thread, so that the size bound and prune evict by last use.
+        ``job`` stands for the hit, kept so that :meth:`refresh` may rewrite its entry, where
+        its driver watches hits (told through :meth:`~.drivers.Driver.watch`)."""
+        for key in (entry.key,) if baked is None else (entry.key, baked):
+            self.workers.submit(self.store.touch, key)  # a cheap utime
+        if job is None or not job.driver.watches_hits:
             return
         job.driver.watch(job, entry, hit)
         with self._lock:
@@ -127,6 +132,11 @@ class Pipeline:
                 return
             self._keep(job)
             self._refreshable.add(job.key)
+
+    def drop(self, key: str) -> None:
+        """Remove the entry ``key`` off the caller's thread (a baked binary that a hit could
+        not use)."""
+        self.workers.submit(self.store.remove, key)
 
     def _sweep(self) -> None:
         maintenance.sweep(self.store)

@@ -93,7 +93,7 @@ def _build_of(
         cache.record_uncacheable()
         return None
     return Build(
-        info, source_bytes, context, devs,
+        info, source_bytes, context, devs, driver,
         # Same error path and message as pyopencl's uncached build.
         from_source=lambda: _pyopencl.built_from_source(prg, context, source, options_bytes, devices),
         from_binaries=lambda binaries: _pyopencl.built_from_binaries(context, devs, binaries, options_bytes),

@@ -142,6 +142,9 @@ class Build:
     source: bytes
     context: cl.Context
     devices: Sequence[cl.Device]
+    #: The cache's driver for ``devices`` (:meth:`asyncclcache.Cache.driver_for`), whose kind
+    #: the key holds: it builds from an entry, and serves the miss.
+    driver: Driver
     #: Build a new program from the source (the fallback, and every miss).
     from_source: Callable[[], Any]
     #: Build a new program from per-device binaries (``pyopencl.Error`` if refused).
