@@ -105,7 +105,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 def safe_file(rel: str) -> bool:
     """What a ``kcache`` entry may hold (checked before anything is written): a relative
     path of 2 to 6 plain names. Each driver's layout checks its own names again before a
-    restore (``drivers/poclcache.py``, ``drivers/filecache.py``)."""
+    restore (``platforms/``: each implementation's ``Layout``)."""
     parts = rel.split("/")
     return 2 <= len(parts) <= 6 and all(_NAME_RE.fullmatch(p) for p in parts)
 

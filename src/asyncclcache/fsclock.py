@@ -7,7 +7,7 @@ directory of that file system, the stamp's tick and bounds of the skew, and answ
 two questions the package asks: what stamp can a touch at or after a local time carry at
 the least (:meth:`FsClock.since`), and at the most (:meth:`FsClock.until`).
 
-Users: the identification of pocl's folders (``drivers/poclcache.py``) and the racily
+Users: the identification of pocl's folders (``drivers/folders.py``) and the racily
 clean rule of the key's header digests (``keys.py``, :func:`clock_for`). Thread-safe.
 """
 
