@@ -9,6 +9,7 @@ import pyopencl as cl
 import pytest
 
 from asyncclcache import binaries
+from asyncclcache.errors import BinaryQueryError
 
 SRC = "__kernel void f(__global int *a) { a[0] = 1; }"
 
@@ -37,12 +38,13 @@ def test_without_proc_the_loader_bundled_with_pyopencl(cl_ctx: Any, fresh_lib: N
     assert binaries.program_binaries(prg, cl_ctx.devices) == prg.get_info(cl.program_info.BINARIES)
 
 
-def test_without_proc_nor_a_bundled_loader_pyopencls_own_query(cl_ctx: Any, fresh_lib: None,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    # A conda build links a system loader, which no probe names: never a library guessed by
-    # name (another ICD loader than pyopencl's crashed pocl 7.1's helper with SIGSEGV).
+def test_without_proc_nor_a_loader_found_the_query_fails_cleanly(cl_ctx: Any, fresh_lib: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # No probe names the loader: never one guessed by name (another ICD loader than
+    # pyopencl's crashed pocl 7.1's helpers with SIGSEGV), nor pyopencl's query (the GIL, F2).
     monkeypatch.setenv("ASYNCCLCACHE_TEST_NO_OS_FACILITIES", "1")
     monkeypatch.setattr(binaries.glob, "glob", lambda pattern: [])
     prg = cl.Program(cl_ctx, SRC).build()
     assert binaries._opencl() is None
-    assert binaries.program_binaries(prg, cl_ctx.devices) == prg.get_info(cl.program_info.BINARIES)
+    with pytest.raises(BinaryQueryError, match="cannot be found"):
+        binaries.program_binaries(prg, cl_ctx.devices)

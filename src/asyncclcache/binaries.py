@@ -4,11 +4,11 @@ pyopencl's ``get_info(BINARIES)`` holds the GIL for the whole call, and on pocl
 that call compiles (docs/design.md F1, F2). A ctypes call releases the GIL and returns
 the same bytes. The OpenCL library used is the one pyopencl itself loaded: where the
 system says which (:func:`.system.loaded_library`), else the loader bundled in pyopencl's
-wheel. Where neither is found, pyopencl's own query serves (the GIL held): a guessed
-library may be another ICD loader than pyopencl's (macOS has Apple's beside conda's), and
-calling it with pyopencl's objects crashed (seen: SIGSEGV on pocl 7.1). Only drivers
-whose query is a copy query in a process that runs kernels, so holding the GIL there
-costs nothing.
+wheel, else the one of its environment's prefix (conda). Never one guessed by name: it
+may be another ICD loader than pyopencl's (macOS has Apple's beside conda's), and calling
+it with pyopencl's objects crashed (SIGSEGV, pocl 7.1). Where none is found the query
+fails (:class:`BinaryQueryError`, counted as a background error): pyopencl's own query
+would hold the GIL (F2).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,12 +46,15 @@ def _find_loaded_opencl() -> str | None:
     path = loaded_library("libOpenCL")
     if path is None:
         # Not said (no /proc): the loader auditwheel or delocate bundled beside pyopencl's
-        # extension, which is the one it loaded; a conda build links a system one: unknown.
+        # extension, which is the one it loaded; else a conda build's, in its prefix.
         here = os.path.dirname(pyopencl._cl.__file__)
-        bundled = sorted(glob.glob(os.path.join(here, ".libs", "libOpenCL*"))
-                         + glob.glob(os.path.join(here, ".dylibs", "libOpenCL*"))
-                         + glob.glob(os.path.join(os.path.dirname(here), "pyopencl.libs", "libOpenCL*")))
-        path = bundled[0] if len(bundled) == 1 else None
+        for pattern in (os.path.join(here, ".libs", "libOpenCL*"), os.path.join(here, ".dylibs", "libOpenCL*"),
+                        os.path.join(os.path.dirname(here), "pyopencl.libs", "libOpenCL*"),
+                        os.path.join(sys.prefix, "lib", "libOpenCL*")):
+            found = {os.path.realpath(f) for f in glob.glob(pattern)}
+            if found:
+                path = found.pop() if len(found) == 1 else None  # several: which is unknown
+                break
     return path
 
 
@@ -96,7 +100,8 @@ def program_binaries(program: cl.Program | cl._cl._Program, devices: Sequence[cl
     Raises :class:`BinaryQueryError`, or ``ValueError`` if a device has no binary.
     """
     if _opencl() is None:
-        return _binaries_of_pyopencl(program, devices)
+        raise BinaryQueryError("BINARIES", 0, why="the OpenCL loader pyopencl uses cannot be found here "
+                               "(no /proc, none bundled with pyopencl or in its prefix)")
     ptr = program.int_ptr
     n = ctypes.c_uint32()
     _info(ptr, CL_PROGRAM_NUM_DEVICES, ctypes.sizeof(n), ctypes.pointer(n), "NUM_DEVICES")
@@ -109,22 +114,6 @@ def program_binaries(program: cl.Program | cl._cl._Program, devices: Sequence[cl
     ptrs = (ctypes.c_void_p * count)(*[ctypes.cast(b, ctypes.c_void_p) for b in buffers])
     _info(ptr, CL_PROGRAM_BINARIES, ctypes.sizeof(ptrs), ptrs, "BINARIES")
     by_device = {int(dev_ids[i] or 0): buffers[i].raw[: sizes[i]] for i in range(count)}
-    return _in_order(by_device, devices)
-
-
-def _binaries_of_pyopencl(program: Any, devices: Sequence[cl.Device]) -> list[bytes]:
-    import pyopencl as cl
-
-    try:
-        blobs = program.get_info(cl.program_info.BINARIES)
-        on = program.get_info(cl.program_info.DEVICES)
-    except cl.Error as e:
-        raise BinaryQueryError("BINARIES", getattr(e, "code", -1)) from None
-    by_device = {d.int_ptr: bytes(b) for d, b in zip(on, blobs, strict=True)}
-    return _in_order(by_device, devices)
-
-
-def _in_order(by_device: dict[int, bytes], devices: Sequence[cl.Device]) -> list[bytes]:
     out = []
     for dev in devices:
         blob = by_device.get(dev.int_ptr)
@@ -132,3 +121,4 @@ def _in_order(by_device: dict[int, bytes], devices: Sequence[cl.Device]) -> list
             raise ValueError(f"no binary for device {dev.name!r}")
         out.append(blob)
     return out
+

@@ -40,8 +40,9 @@ class BackgroundError(AsyncCLCacheError, RuntimeError):
 class BinaryQueryError(AsyncCLCacheError, RuntimeError):
     """``clGetProgramInfo`` failed while reading a program's binaries; ``code`` is the OpenCL status."""
 
-    def __init__(self, what: str, code: int) -> None:
-        super().__init__(f"clGetProgramInfo({what}) failed with status {code}")
+    def __init__(self, what: str, code: int, *, why: str | None = None) -> None:
+        super().__init__(f"clGetProgramInfo({what}) failed with status {code}" if why is None
+                         else f"clGetProgramInfo({what}) not called: {why}")
         self.code = code
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from .fileio import HOST, TEMP_PREFIX, TEMP_SUFFIX, temp_writer, unlink_if_same
 from .locks import LOCK_SUFFIX, file_lock, unheld
 from .store import PRUNE_LOCK
+from .system import pid_alive
 
 if TYPE_CHECKING:
     from .store import Store, StoredEntry
@@ -64,22 +65,12 @@ def orphans(store: Store, *, remove_locks: bool = False) -> tuple[list[Path], li
                 continue
             age = now - st.st_mtime
             # Another host's writer (a shared directory): our PIDs say nothing of it.
-            alive = (pid is not None and _pid_alive(pid)) if host == HOST else True
+            alive = (pid is not None and pid_alive(pid)) if host == HOST else True
             if not alive or age > TEMP_MAX_AGE:
                 temps.append(p)
         elif name.endswith(LOCK_SUFFIX) and unheld(p, remove=remove_locks):
             locks.append(p)
     return temps, locks
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def verify(store: Store, *, fix: bool = False) -> list[tuple[StoredEntry, str]]:

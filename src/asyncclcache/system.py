@@ -50,6 +50,7 @@ __all__ = [
     "loaded_library",
     "lower_priority",
     "mapped_files",
+    "pid_alive",
     "private_folder",
     "start_helper",
 ]
@@ -352,7 +353,7 @@ def sweep(kind: str, host: str | None = None) -> int:
         return 0
     for e in entries:
         pid, _, rest = e.name[len(kind) + 1:].partition("-")
-        if not pid.isdigit() or not rest.startswith(f"{host}-") or _alive(int(pid)):
+        if not pid.isdigit() or not rest.startswith(f"{host}-") or pid_alive(int(pid)):
             continue
         try:
             st = e.stat(follow_symlinks=False)
@@ -365,7 +366,8 @@ def sweep(kind: str, host: str | None = None) -> int:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
