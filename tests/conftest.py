@@ -24,6 +24,8 @@ for _var in list(os.environ):
     if _var.startswith("ASYNCCLCACHE_") or _var == "PYOPENCL_NO_CACHE":
         del os.environ[_var]
 os.environ["ASYNCCLCACHE_DIR"] = tempfile.mkdtemp(prefix="acc-test-default-")
+# Node-local copies of the tests' ranks: not in the machine's /tmp/asyncclcache-<uid>.
+os.environ["ASYNCCLCACHE_NODE_DIR"] = tempfile.mkdtemp(prefix="acc-test-node-")
 # Every test is about pocl, picked by name, also in the examples and benchmarks the tests run:
 # with Mesa's ICD installed the first platform may be rusticl or Clover (no devices).
 os.environ["PYOPENCL_CTX"] = "portable"

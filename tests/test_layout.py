@@ -166,7 +166,8 @@ def test_every_module_imports_alone(module):
 
 #: Names on disk, and the one module that spells each (the others ask it).
 DISK_NAMES = {"stats.json": "store", "stats.lock": "store", "prune.lock": "store", ".acl": "store",
-              "rank-": "store", ".lock": "locks", ".tmp-": "fileio"}
+              "rank-": "store", ".lock": "locks", ".tmp-": "fileio",
+              ".copy": "nodecopies", "copies.lock": "nodecopies"}
 
 
 def _string_constants(tree: ast.AST) -> list[tuple[int, str]]:

@@ -423,28 +423,35 @@ CHILD_ROOT = """
     import json, sys
     from asyncclcache.store import Store
     s = Store(sys.argv[1])
-    print(json.dumps({"root": str(s.root), "rank": s.rank, "rank_local": s.rank_local}))
+    print(json.dumps({"root": str(s.root), "rank": s.rank, "rank_local": s.rank_local,
+                      "node": s.node is not None}))
 """
 
 
 @pytest.mark.parametrize(
     ("env", "expected_tail", "rank"),
     [
-        ({"PMI_RANK": "3"}, "rank-3", 3),
-        ({"OMPI_COMM_WORLD_RANK": "3"}, "rank-3", 3),
-        ({"SLURM_PROCID": "11", "PMI_RANK": "2"}, "rank-2", 2),
+        # Ranks share the directory by default, read through their node's copies.
+        ({"PMI_RANK": "3"}, f"v{FORMAT_VERSION}", 3),
+        ({"OMPI_COMM_WORLD_RANK": "3"}, f"v{FORMAT_VERSION}", 3),
+        ({"SLURM_PROCID": "11", "PMI_RANK": "2"}, f"v{FORMAT_VERSION}", 2),
+        ({"PMI_RANK": "3", "ASYNCCLCACHE_RANK_LOCAL": "1"}, "rank-3", 3),
+        ({"SLURM_PROCID": "11", "ASYNCCLCACHE_RANK_LOCAL": "1"}, "rank-11", 11),
         ({"PMI_RANK": "3", "ASYNCCLCACHE_RANK_LOCAL": "0"}, f"v{FORMAT_VERSION}", 3),
         ({"ASYNCCLCACHE_RANK_LOCAL": "1"}, f"v{FORMAT_VERSION}", None),
         ({}, f"v{FORMAT_VERSION}", None),
     ],
 )
 def test_rank_local_root(
-    cache_dir: Path, env: dict[str, str], expected_tail: str, rank: int | None
+    cache_dir: Path, env: dict[str, str], expected_tail: str, rank: int | None, tmp_path: Path
 ) -> None:
+    env = dict(env, ASYNCCLCACHE_NODE_DIR=str(tmp_path / "node"))
     out = child_json(run_child(CHILD_ROOT, str(cache_dir), env=env))
     root = Path(out["root"])
     assert root.name == expected_tail
     assert out["rank"] == rank
+    # Node-local copies: under a launcher, for a directory the ranks share.
+    assert out["node"] is (rank is not None and not expected_tail.startswith("rank-"))
     assert out["rank_local"] is (expected_tail.startswith("rank-"))
     expected = cache_dir / f"v{FORMAT_VERSION}"
     if out["rank_local"]:
@@ -454,13 +461,24 @@ def test_rank_local_root(
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
 
 
-def test_ranks_do_not_see_each_other(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    key = key_of("ranked")
+def test_ranks_share_one_entry_by_default(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = key_of("shared by ranks")
     monkeypatch.setenv("PMI_RANK", "3")
     three = Store(cache_dir)
     assert three.publish(make_entry(key, b"rank 3")) is PublishResult.WRITTEN
     monkeypatch.setenv("PMI_RANK", "4")
     four = Store(cache_dir)
+    assert four.root == three.root == cache_dir / f"v{FORMAT_VERSION}"
+    assert four.load(key, IDENT).binaries == (b"rank 3",)
+
+
+def test_rank_local_ranks_do_not_see_each_other(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = key_of("ranked")
+    monkeypatch.setenv("PMI_RANK", "3")
+    three = Store(cache_dir, rank_local=True)
+    assert three.publish(make_entry(key, b"rank 3")) is PublishResult.WRITTEN
+    monkeypatch.setenv("PMI_RANK", "4")
+    four = Store(cache_dir, rank_local=True)
     assert four.root != three.root
     assert four.load(key, IDENT) is None
     shared = Store(cache_dir, rank_local=False)

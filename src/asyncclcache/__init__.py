@@ -26,6 +26,7 @@ from .errors import (
     CacheDirWarning,
     CorruptEntryWarning,
     InsecureCacheWarning,
+    NodeDirWarning,
     RemovedStrategyWarning,
     WriteFailedWarning,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "CacheDirWarning",
     "CorruptEntryWarning",
     "InsecureCacheWarning",
+    "NodeDirWarning",
     "Program",
     "RemovedStrategyWarning",
     "Stats",

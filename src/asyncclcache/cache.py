@@ -168,7 +168,9 @@ class Cache:
     partial entry.
 
     :arg directory: root directory (default ``ASYNCCLCACHE_DIR`` or the user cache dir).
-    :arg rank_local: one subdirectory per MPI rank (default: yes, under MPI).
+    :arg rank_local: one subdirectory per MPI rank. Default (``None``):
+        ``ASYNCCLCACHE_RANK_LOCAL``, else no: ranks share the directory, one entry per
+        program whatever the rank count, read once per node (docs/mpi.md).
     :arg strategy: ``auto``, ``kcache`` (the driver's own cache: pocl's kernel-cache folder,
         NVIDIA's compute cache, Mesa's shader cache) or ``thread`` (the binary query on a
         writer thread). Default (``None``): ``ASYNCCLCACHE_STRATEGY``, else ``auto``.
@@ -207,7 +209,8 @@ class Cache:
         if not (math.isfinite(self.exit_timeout) and self.exit_timeout >= 0):
             raise ValueError(f"exit_timeout must be a finite number of seconds >= 0, got {exit_timeout!r}")
         self.max_size = parse_size(max_size) if max_size is not None else cfg.max_size
-        self.store = Store(directory, rank_local=rank_local)
+        # The counters are made anew in a forked child: looked up at each count.
+        self.store = Store(directory, rank_local=rank_local, count=lambda name: self._counters.add(name))
         self._bake_idle = cfg.bake == "idle"
         self._nworkers = max(1, workers)
         self._start_fresh()
@@ -329,6 +332,8 @@ class Cache:
         self._workers.stop(grace)
         if self._baker is not None:
             self._baker.close()  # never waited for: what it has not baked stays kcache
+        if self.store.node is not None:
+            self.store.node.prune()  # one process per node does it; the others skip
         pending = self._pipeline.pending
         if pending:
             logger.info("asyncclcache: exit with %d jobs pending: dropped", pending)

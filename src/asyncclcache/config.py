@@ -3,7 +3,10 @@
 =============================== ===================================================
 ``ASYNCCLCACHE_DIR``            cache directory (default: the user cache directory)
 ``ASYNCCLCACHE_DISABLE``        ``1``: no caching at all, plain pyopencl builds
-``ASYNCCLCACHE_RANK_LOCAL``     ``0``: ranks share one directory; ``1``: one each
+``ASYNCCLCACHE_RANK_LOCAL``     ``1``: a directory per rank; ``0`` (the default): one for all
+``ASYNCCLCACHE_NODE_COPIES``    ``0``: no node-local copies; default: on under a launcher
+``ASYNCCLCACHE_NODE_DIR``       node-local storage for them (default ``$TMPDIR``, else ``/tmp``)
+``ASYNCCLCACHE_NODE_MAX_SIZE``  bound of a node's copies (default 2G; ``0``: none)
 ``ASYNCCLCACHE_STRATEGY``       ``auto`` | ``kcache`` | ``thread`` (``process``, ``sync``: gone, ``auto``)
 ``ASYNCCLCACHE_WORKERS``        background writer threads (default 1)
 ``ASYNCCLCACHE_FAILURE_FATAL``  ``1``: background failures raise in ``flush()``
@@ -29,6 +32,7 @@ from functools import lru_cache
 
 from ._flags import parse_bool
 from .errors import RemovedStrategyWarning
+from .ranks import TEST_NODE_ENV
 
 __all__ = [
     "BAKE_MODES", "RETIRED_STRATEGIES", "STRATEGIES", "Config", "get_config", "parse_bool", "parse_size",
@@ -90,6 +94,11 @@ class Config:
     directory: str | None = None
     disable: bool = False
     rank_local: bool | None = None
+    node_copies: bool | None = None
+    node_dir: str | None = None
+    node_max_size: int | None = 2 << 30
+    #: Test-only: a simulated node's name (:data:`.ranks.TEST_NODE_ENV`).
+    test_node: str | None = None
     strategy: str = "auto"
     workers: int = 1
     failure_fatal: bool = False
@@ -121,8 +130,17 @@ class Config:
             max_size = parse_size(e.get("ASYNCCLCACHE_MAX_SIZE") or None)  # empty: unset
         except ValueError as err:
             raise ValueError(f"ASYNCCLCACHE_MAX_SIZE: {err}") from None
+        try:
+            raw = e.get("ASYNCCLCACHE_NODE_MAX_SIZE") or "2G"  # empty: unset
+            node_max_size = parse_size(raw)
+        except ValueError as err:
+            raise ValueError(f"ASYNCCLCACHE_NODE_MAX_SIZE: {err}") from None
         return cls(
             directory=e.get("ASYNCCLCACHE_DIR") or None,
+            node_copies=parse_bool(e.get("ASYNCCLCACHE_NODE_COPIES"), name="ASYNCCLCACHE_NODE_COPIES"),
+            node_dir=e.get("ASYNCCLCACHE_NODE_DIR") or None,
+            node_max_size=node_max_size,
+            test_node=(e.get(TEST_NODE_ENV) or "").strip() or None,
             disable=bool(parse_bool(e.get("ASYNCCLCACHE_DISABLE"), name="ASYNCCLCACHE_DISABLE")),
             rank_local=parse_bool(e.get("ASYNCCLCACHE_RANK_LOCAL"), name="ASYNCCLCACHE_RANK_LOCAL"),
             strategy=strategy,

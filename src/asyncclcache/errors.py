@@ -22,6 +22,7 @@ __all__ = [
     "CorruptEntryWarning",
     "EntryFormatError",
     "InsecureCacheWarning",
+    "NodeDirWarning",
     "InsecurePathError",
     "RemovedStrategyWarning",
     "UsageError",
@@ -68,6 +69,11 @@ class AsyncCLCacheWarning(UserWarning):
 
 class CacheDirWarning(AsyncCLCacheWarning):
     """The cache directory cannot be used (not a directory, not writable); caching is off."""
+
+
+class NodeDirWarning(AsyncCLCacheWarning):
+    """The node-local directory cannot be used (not writable, full, another user's): this
+    process reads entries from the shared directory itself. Once per process."""
 
 
 class InsecureCacheWarning(AsyncCLCacheWarning):

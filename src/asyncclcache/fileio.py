@@ -139,10 +139,12 @@ def temp_writer(name: str) -> tuple[str | None, int | None]:
 
 @contextlib.contextmanager
 def atomic_writer(
-    directory: Path, target: Path, *, prefix: str | None = None, on_open: Callable[[str], None] | None = None
+    directory: Path, target: Path, *, prefix: str | None = None, on_open: Callable[[str], None] | None = None,
+    durable: bool = True,
 ) -> Iterator[BinaryIO]:
     """A file to write ``target`` through: readers see the old file or the whole new one,
-    mode 0600, durable once the block ends. On an error in the block the temp file is
+    mode 0600, durable once the block ends (``durable=False``: not synced, for scratch
+    copies whose damage a checksum catches). On an error in the block the temp file is
     removed and nothing changes. ``directory`` holds ``target`` (same filesystem).
     ``on_open(temp_path)`` runs first (tests widen the window with it)."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix or temp_prefix(), suffix=TEMP_SUFFIX)
@@ -152,13 +154,16 @@ def atomic_writer(
                 on_open(tmp)
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o600)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if not durable:
+        return
     with contextlib.suppress(OSError):
         dfd = os.open(directory, os.O_RDONLY | CLOEXEC)
         try:
@@ -168,9 +173,10 @@ def atomic_writer(
 
 
 def atomic_write(
-    directory: Path, target: Path, data: bytes, write_hook: Callable[[str], None] | None = None
+    directory: Path, target: Path, data: bytes, write_hook: Callable[[str], None] | None = None,
+    *, durable: bool = True,
 ) -> None:
     """:func:`atomic_writer` for ``data``. Raises ``OSError`` after removing its temp file.
     ``write_hook(temp_path)`` runs before the data is written (tests widen the window)."""
-    with atomic_writer(directory, target, on_open=write_hook) as f:
+    with atomic_writer(directory, target, on_open=write_hook, durable=durable) as f:
         f.write(data)

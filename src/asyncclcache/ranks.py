@@ -1,15 +1,18 @@
-"""MPI rank detection, for rank-local cache directories.
+"""Who this process is in a job: its rank (MPI, Slurm) and its node.
 
-Each rank writing its own directory means no two ranks race on an entry and pocl
-never shares a kernel cache across ranks (pocl before 6.0 crashes on that).
+Ranks of a job share one cache directory (one entry per program, whatever the rank
+count, docs/mpi.md); the node says which node-local copies (:mod:`.nodecopies`) a rank
+may read, and whose reads the exit summary adds up.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
+from collections.abc import Mapping
 
-__all__ = ["RANK_ENV_VARS", "detect_rank"]
+__all__ = ["NODE_ENV_VARS", "RANK_ENV_VARS", "TEST_NODE_ENV", "detect_node", "detect_rank"]
 
 #: Launcher variables, most specific first.
 RANK_ENV_VARS = (
@@ -20,25 +23,43 @@ RANK_ENV_VARS = (
     "SLURM_PROCID",
 )
 
+#: The launcher's name for this node (Slurm's ``slurmd`` sets it for every task).
+NODE_ENV_VARS = ("SLURMD_NODENAME",)
 
-def _mpi4py_rank() -> int | None:
+#: Test-only: the name of a simulated node. Tests and the benchmark run several "nodes"
+#: on one machine with it; each simulated node has node-local storage of its own.
+TEST_NODE_ENV = "ASYNCCLCACHE_TEST_NODE"
+
+_Env = Mapping[str, str]
+
+
+def _initialized_mpi() -> object | None:
     # Only look if the user already imported mpi4py: importing it ourselves would init MPI.
     mod = sys.modules.get("mpi4py.MPI")
     if mod is None:
         return None
     try:
         if mod.Is_initialized() and not mod.Is_finalized():
-            return int(mod.COMM_WORLD.Get_rank())
+            return mod
     except Exception:  # noqa: BLE001 - a broken MPI must not break caching
         return None
     return None
 
 
-def detect_rank(env: dict[str, str] | os._Environ[str] | None = None) -> int | None:
+def _mpi4py_rank() -> int | None:
+    mod = _initialized_mpi()
+    try:
+        return None if mod is None else int(mod.COMM_WORLD.Get_rank())  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def detect_rank(env: _Env | None = None) -> int | None:
     """This process's MPI world rank, or ``None`` when not under MPI.
 
     mpi4py's world rank wins when mpi4py is imported and initialized; otherwise the
-    launcher's environment is read. Thread-safe, no side effects.
+    launcher's environment is read (Open MPI, MPICH/Hydra, PMIx, MVAPICH, Slurm's
+    ``srun``). Thread-safe, no side effects.
     """
     rank = _mpi4py_rank()
     if rank is not None:
@@ -50,3 +71,23 @@ def detect_rank(env: dict[str, str] | os._Environ[str] | None = None) -> int | N
         if value is not None and value.strip().isascii() and value.strip().isdigit():
             return int(value)
     return None
+
+
+def detect_node(env: _Env | None = None) -> str:
+    """This process's node: the test setting (:data:`TEST_NODE_ENV`), else Slurm's node
+    name, else MPI's processor name (mpi4py imported and initialized), else the host name.
+    Thread-safe, no side effects."""
+    e = os.environ if env is None else env
+    for var in (TEST_NODE_ENV, *NODE_ENV_VARS):
+        value = (e.get(var) or "").strip()
+        if value:
+            return value
+    mod = _initialized_mpi()
+    if mod is not None:
+        try:
+            name = str(mod.Get_processor_name()).strip()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001
+            name = ""
+        if name:
+            return name
+    return socket.gethostname() or "localhost"

@@ -69,6 +69,9 @@ class Stats:
     seconds_saved: float = _counter("estimated compile time that hits avoided", line="head", unit="s")
     pending: int = _counter("background retrievals and writes not finished yet (a level, not events)",
                             lifetime=False, line="head")
+    shared_reads: int = _counter("node-local copies on: entries read from the shared directory (a node's "
+                                 "first read, or a rank that did not wait for the one reading it)")
+    node_reads: int = _counter("node-local copies on: entries read from this node's copies", line="never")
     baked_hits: int = _counter("hits served by a baked binary (asyncclcache bake)")
     bakes_dropped: int = _counter("baked binaries not used at a hit (stale or refused), dropped")
     bakes_not_queued: int = _counter("entries the idle baker could not take (busy, or off here): bake later")

@@ -8,6 +8,9 @@ Layout::
                                              <key[:2]>/<key>.lock   lock while writing
                                              <key[:2]>/.tmp-<pid>-*.partial
 
+Ranks of a job share the directory (``rank-<N>/`` only with ``rank_local``), and read it
+through their node's copies (:mod:`.nodecopies`) where those are on.
+
 Guarantees (thread- and process-safe):
 
 * A reader sees either no entry or a complete one: writers write a temp file in
@@ -35,7 +38,7 @@ import shutil
 import stat
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,7 @@ from .fileio import (
 )
 from .keys import FORMAT_VERSION
 from .locks import LOCK_SUFFIX, Claim, take
+from .nodecopies import NodeCopies, node_base
 from .ranks import detect_rank
 
 __all__ = [
@@ -175,15 +179,20 @@ class Store:
         rank_local: bool | None = None,
         rank: int | None = None,
         create: bool = True,
+        node_copies: bool | None = None,
+        count: Callable[[str], None] | None = None,
     ) -> None:
         """``rank`` overrides MPI detection; ``create=False`` (the command line) never makes
-        directories: a missing cache is reported in ``problem`` without a warning."""
+        directories: a missing cache is reported in ``problem`` without a warning.
+        ``node_copies``: read through this node's copies (:mod:`.nodecopies`); default
+        (``None``): ``ASYNCCLCACHE_NODE_COPIES``, else on under a launcher (a rank), for a
+        directory the ranks share. ``count(name)`` is told what the copies count."""
         from .config import get_config
 
         cfg = get_config()
         base = Path(directory or cfg.directory or default_directory()).expanduser()
         if rank_local is None:
-            rank_local = cfg.rank_local if cfg.rank_local is not None else True
+            rank_local = bool(cfg.rank_local)
         self.rank = detect_rank() if rank is None else rank
         self.rank_local = bool(rank_local and self.rank is not None)
         root = version_dir(base)
@@ -195,8 +204,15 @@ class Store:
         self.missing = False
         #: Entries are read but never written (the directory is not writable).
         self.read_only = False
+        #: This node's copies of the entries, or ``None``.
+        self.node: NodeCopies | None = None
         if create:
             self._open()
+            if node_copies is None:
+                node_copies = cfg.node_copies if cfg.node_copies is not None else self.rank is not None
+            if node_copies and not self.rank_local and self.enabled:
+                self.node = NodeCopies(self.root, node_base(cfg.node_dir, cfg.test_node), count,
+                                       cfg.node_max_size)
         elif not self.root.is_dir():
             self.missing = True
             self.problem = "no asyncclcache cache here"
@@ -285,7 +301,7 @@ class Store:
         so that a writer can tell later, without a clock, whether the file was replaced.
         What it refused counts as found, as its removal left it (nothing, or a link, a
         directory, another user's file): the write that follows replaces it."""
-        r = self.read(key)
+        r = self.read(key) if self.node is None else self._read_near(key, self.node)
         if r.problem is not None:
             self._reject(r.path, r.problem, r.stat, insecure=r.insecure)
             return None, self.stamp(key)
@@ -352,6 +368,39 @@ class Store:
             return ReadResult(path, entry=check_data(key, data), stat=st, data=data)
         except EntryFormatError as e:
             return ReadResult(path, problem=str(e), stat=st)
+
+    def _read_near(self, key: str, node: NodeCopies) -> ReadResult:
+        """:meth:`read`, from this node's copy of the shared file as it is now where there is
+        one (no open in the shared directory); else the shared file, copied for the node's
+        other ranks by the one that holds the node's claim (the others do not wait)."""
+        path = self.path_for(key)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return ReadResult(path)  # a miss, and nothing opened
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode) and insecure(st) is None:
+            data = node.copy(key, stamp_of(st))
+            if data is not None:
+                try:
+                    entry = check_data(key, data)
+                except EntryFormatError as e:
+                    node.drop(key, stamp_of(st), str(e))
+                else:
+                    node.count("node_reads")
+                    return ReadResult(path, entry=entry, stat=st, data=data)
+        claim = node.claim(key)
+        try:
+            r = self.read(key)  # and what is wrong with the file, as without copies
+            if r.data is not None:
+                node.count("shared_reads")
+            if claim is not None and r.entry is not None and r.data is not None and r.stat is not None:
+                node.write(key, stamp_of(r.stat), r.data)
+        finally:
+            if claim is not None:
+                claim.release()
+        return r
 
     def _reject(
         self, path: Path, why: str, st: os.stat_result | None, *, insecure: bool = False
@@ -438,6 +487,8 @@ class Store:
             self._clear_way(key)
             atomic_write(self._fanout(key), self.path_for(key), data, write_hook)
             claim.written = self.stamp(key)
+            if self.node is not None and claim.written is not None:
+                self.node.put(key, claim.written, data)  # this node's ranks read it from here
         finally:
             if own:
                 claim.release()

@@ -8,7 +8,8 @@ Each process prints one line to stderr at exit, after its caches are closed (so
 
 Under MPI, when the program itself uses mpi4py (``mpi4py.MPI`` imported and
 initialized; this module never initializes MPI), rank 0 prints one line for the job
-with the counters of every rank summed. The other ranks send theirs with a
+with the counters of every rank summed and, where node-local copies are on, how many
+entries each node read from the shared directory. The other ranks send theirs with a
 non-blocking send; rank 0 waits at most :data:`GATHER_TIMEOUT` seconds for them and
 says how many reported. Nothing here can hang an exit, or fail one.
 """
@@ -103,10 +104,31 @@ def _at_exit() -> None:
 
 
 def _label() -> str:
-    from .ranks import detect_rank
+    from .ranks import detect_node, detect_rank
 
     rank = detect_rank()
-    return "asyncclcache" if rank is None else f"asyncclcache [rank {rank}]"
+    return "asyncclcache" if rank is None else f"asyncclcache [rank {rank} on {detect_node()}]"
+
+
+#: Bytes of a node's name sent with a rank's counters (longer names are cut).
+NODE_NAME_BYTES = 64
+
+
+def _node_field() -> list[float]:
+    from .ranks import detect_node
+
+    name = detect_node().encode("utf-8", "replace")[:NODE_NAME_BYTES]
+    return list(name.ljust(NODE_NAME_BYTES, b"\0"))
+
+
+def per_node(reads: dict[str, int]) -> str:
+    """What the job line adds: entries each node read from the shared directory."""
+    if not reads:
+        return ""
+    shown = sorted(reads.items())
+    text = ", ".join(f"{node} {n}" for node, n in shown[:8])
+    more = f", ... ({len(shown)} nodes)" if len(shown) > 8 else ""
+    return f"; read from the shared directory per node: {text}{more}"
 
 
 def _mpi() -> Any:
@@ -129,12 +151,14 @@ def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
     names = list(Stats().as_dict())
     comm = mpi.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    # [had a cache, counters...]: a rank that built nothing still reports, so rank 0
-    # need not wait for it.
-    mine = np.zeros(len(names) + 1, dtype=np.float64)
+    # [had a cache, counters..., node name]: a rank that built nothing still reports, so
+    # rank 0 need not wait for it.
+    n = len(names)
+    mine = np.zeros(n + 1 + NODE_NAME_BYTES, dtype=np.float64)
+    mine[n + 1:] = _node_field()
     if stats is not None:
         mine[0] = 1
-        mine[1:] = list(stats.as_dict().values())
+        mine[1:n + 1] = list(stats.as_dict().values())
     deadline = time.monotonic() + GATHER_TIMEOUT
     if rank != 0:
         req = comm.Isend(mine, dest=0, tag=_TAG)
@@ -154,10 +178,17 @@ def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
         if not arrived[i]:
             r.Cancel()
             r.Wait()
-    total = mine.copy()
-    for i, b in enumerate(bufs):
-        if arrived[i]:
-            total += b
+    total = mine[:n + 1].copy()
+    reads: dict[str, int] = {}
+    copies = False
+    for row in [mine] + [b for i, b in enumerate(bufs) if arrived[i]]:
+        if row is not mine:
+            total += row[:n + 1]
+        one = dict(zip(names, row[1:n + 1].tolist(), strict=True))
+        if one["shared_reads"] or one["node_reads"]:
+            copies = True
+            node = bytes(int(x) for x in row[n + 1:]).rstrip(b"\0").decode("utf-8", "replace")
+            reads[node] = reads.get(node, 0) + round(one["shared_reads"])
     if total[0] == 0:
         return  # no rank made a cache
     job = Stats.from_values(dict(zip(names, total[1:].tolist(), strict=True)))
@@ -165,7 +196,7 @@ def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
     label = f"asyncclcache ({size} ranks)" if reported == size else (
         f"asyncclcache ({reported} of {size} ranks reported)"
     )
-    _print(summary_line(job, dirs, label, whose="rank 0: "))
+    _print(summary_line(job, dirs, label, whose="rank 0: ") + (per_node(reads) if copies else ""))
 
 
 def _print(line: str) -> None:

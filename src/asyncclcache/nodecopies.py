@@ -1,0 +1,249 @@
+"""Node-local copies of a shared directory's entries: a node reads an entry from the
+shared directory once, whatever number of its ranks hit it (docs/mpi.md).
+
+Layout, in node-local storage (``ASYNCCLCACHE_NODE_DIR``, else ``$TMPDIR``, else
+``/tmp``; one folder per user, and per simulated node in tests: ``ASYNCCLCACHE_TEST_NODE``)::
+
+    <node dir>/asyncclcache-<uid>/[node-<name>/]<digest of the shared root>/
+        <key[:2]>/<key>-<stamp>.copy    the shared entry whose file had <stamp>
+        <key[:2]>/<key>.lock            held by the rank that copies it now
+        copies.lock                     held by the one process that prunes
+
+A lookup ``lstat``\\ s the shared entry (a metadata call, no open) and reads the copy
+named by that file's stamp (device, inode, size, modification time): a shared entry that
+was replaced (a refresh) or removed is never served from an old copy, and no clock is
+compared. Without a copy, the rank that takes the key's claim (an ``flock``, taken without
+waiting) reads the shared entry, checks it as :class:`~.store.Store` does, and leaves the
+copy; a rank that finds the claim held does not wait for it: it reads the shared entry
+itself. Copies are scratch, written without ``fsync`` (a torn one fails its checksum and is
+dropped); they outlive the job, so the next job on the node reads nothing from the shared
+directory, and are pruned to ``ASYNCCLCACHE_NODE_MAX_SIZE`` (least recently used first) by
+one process at exit. A node-local directory that cannot be used (not writable, full,
+another user's) warns once (:class:`~.errors.NodeDirWarning`) and the process reads the
+shared directory itself from then on.
+
+Thread- and process-safe: ranks of one job, and jobs of one user on one node, share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import stat
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import NodeDirWarning
+from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, TEMP_SUFFIX, atomic_write, insecure, make_private_dir
+from .locks import LOCK_SUFFIX, Claim, file_lock, take
+
+#: A shared entry file's identity (:data:`.store.Stamp`).
+Stamp = tuple[int, ...]
+
+__all__ = ["DEFAULT_MAX_BYTES", "NodeCopies", "node_base"]
+
+logger = logging.getLogger(__name__)
+
+#: Default bound of one shared directory's copies on a node (``ASYNCCLCACHE_NODE_MAX_SIZE``).
+DEFAULT_MAX_BYTES = 2 << 30
+#: Names in the node-local directory (the shared directory's are :mod:`.store`'s).
+PRUNE_LOCK = "copies.lock"
+COPY_SUFFIX = ".copy"
+
+
+def node_base(given: str | None = None, simulated: str | None = None) -> tuple[Path, bool, Path]:
+    """Where this user's node-local copies live on this node: ``(top, given, base)``. ``top``
+    is the folder made private first: ``given`` (``ASYNCCLCACHE_NODE_DIR``; a link to it is
+    followed, as the user named it), else ``$TMPDIR`` or ``/tmp`` plus ``asyncclcache-<uid>``
+    (never a link: others can write there). ``base`` is ``top``, or its ``node-<digest>``
+    folder for a simulated node (``simulated``, tests)."""
+    if given:
+        top = Path(given).expanduser()
+    else:
+        uid = os.getuid() if hasattr(os, "getuid") else 0
+        top = Path(tempfile.gettempdir()) / f"asyncclcache-{uid}"  # $TMPDIR, else /tmp
+    base = top / f"node-{hashlib.sha256(simulated.encode()).hexdigest()[:12]}" if simulated else top
+    return top, bool(given), base
+
+
+def _stamp_name(stamp: Stamp) -> str:
+    return hashlib.sha256(repr(tuple(stamp)).encode()).hexdigest()[:16]
+
+
+class NodeCopies:
+    """This node's copies of the entries of one shared store (``shared_root``), kept in
+    ``where`` (:func:`node_base`); :meth:`.store.Store.lookup` reads through it. ``count``
+    is the counters' ``add``. Thread- and process-safe."""
+
+    def __init__(self, shared_root: Path, where: tuple[Path, bool, Path],
+                 count: Callable[[str], None] | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
+        top, given, base = where
+        self.base = base
+        self.root = base / hashlib.sha256(str(shared_root).encode()).hexdigest()[:16]
+        self.count = count or (lambda name: None)
+        self.max_bytes = max_bytes
+        self.problem: str | None = None
+        self._lock = threading.Lock()
+        try:
+            if given:
+                top.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dir(top, follow=given)
+            for d in dict.fromkeys((base, self.root)):
+                make_private_dir(d)
+        except OSError as e:
+            self._give_up(e)
+
+    @property
+    def enabled(self) -> bool:
+        """False once the node-local directory failed: the shared directory serves."""
+        return self.problem is None
+
+    def _give_up(self, e: OSError | str) -> None:
+        why = e if isinstance(e, str) else (str(e) if e.strerror is None else f"{e.strerror} ({e.filename})")
+        with self._lock:
+            if self.problem is not None:
+                return
+            self.problem = why
+        warnings.warn(
+            f"asyncclcache: node-local directory {self.root} cannot be used: {why}; reading "
+            "entries from the shared directory instead",
+            NodeDirWarning,
+            stacklevel=5,
+        )
+
+    def _copy_path(self, key: str, stamp: Stamp) -> Path:
+        return self.root / key[:2] / f"{key}-{_stamp_name(stamp)}{COPY_SUFFIX}"
+
+    # {{{ read
+
+    def copy(self, key: str, stamp: Stamp) -> bytes | None:
+        """The bytes of this node's copy of the shared file ``stamp`` of ``key`` (unchecked:
+        the caller checks them as an entry), or ``None``."""
+        if not self.enabled:
+            return None
+        data = self._read_copy(self._copy_path(key, stamp))
+        if data is not None:
+            self._touch(self._copy_path(key, stamp))
+        return data
+
+    def drop(self, key: str, stamp: Stamp, why: str) -> None:
+        """Remove a copy that failed its check (torn, damaged): the next reader copies again."""
+        logger.info("dropping damaged node-local copy of %s: %s", key[:12], why)
+        with contextlib.suppress(OSError):
+            os.unlink(self._copy_path(key, stamp))
+
+    @staticmethod
+    def _read_copy(path: Path) -> bytes | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or insecure(st) is not None:
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _touch(path: Path) -> None:
+        # For the node's own LRU prune: this host's clock against this host's files.
+        with contextlib.suppress(OSError):
+            os.utime(path, follow_symlinks=False)
+
+    # }}}
+
+    # {{{ write
+
+    def claim(self, key: str) -> Claim | None:
+        """The node's claim to copy ``key`` (an ``flock``, never waited for); ``None``
+        while another process holds it, or where the node-local directory failed."""
+        if not self.enabled:
+            return None
+        fanout = self.root / key[:2]
+        try:
+            make_private_dir(fanout)
+            return take(key, fanout / (key + LOCK_SUFFIX))
+        except OSError as e:
+            self._give_up(e)
+            return None
+
+    def put(self, key: str, stamp: Stamp, data: bytes) -> None:
+        """Keep ``data`` (checked) as the copy of the shared file ``stamp`` of ``key``: what
+        this process just wrote there. Skipped while another process copies ``key``."""
+        claim = self.claim(key)
+        if claim is None:
+            return
+        try:
+            self.write(key, stamp, data)
+        finally:
+            claim.release()
+
+    def write(self, key: str, stamp: Stamp, data: bytes) -> None:
+        """Under ``key``'s :meth:`claim`: keep ``data`` as the copy of the shared file ``stamp``."""
+        target = self._copy_path(key, stamp)
+        try:
+            atomic_write(target.parent, target, data, durable=False)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG):
+                self._give_up(e)
+            else:
+                logger.info("asyncclcache: no node-local copy of %s: %s", key[:12], e)
+            return
+        # Older copies of this key: their shared file was replaced.
+        with contextlib.suppress(OSError):
+            for name in os.listdir(target.parent):
+                if name.startswith(key + "-") and name.endswith(COPY_SUFFIX) and name != target.name:
+                    with contextlib.suppress(OSError):
+                        os.unlink(target.parent / name)
+
+    # }}}
+
+    def prune(self) -> int:
+        """Remove the least recently used copies beyond the bound; what one process at a
+        time does (the others skip, never wait). Returns how many were removed."""
+        if not self.enabled or self.max_bytes is None:
+            return 0
+        lock = file_lock(self.root / PRUNE_LOCK, 0)
+        try:
+            lock.acquire()
+        except Exception:  # noqa: BLE001 - held by another process (a Timeout), or gone
+            return 0
+        try:
+            copies = []
+            with contextlib.suppress(OSError):
+                for fan in os.scandir(self.root):
+                    if not fan.is_dir(follow_symlinks=False):
+                        continue
+                    for f in os.scandir(fan.path):
+                        if f.name.endswith(COPY_SUFFIX) and f.is_file(follow_symlinks=False):
+                            st = f.stat(follow_symlinks=False)
+                            copies.append((max(st.st_atime, st.st_mtime), st.st_size, f.path))
+                        elif f.name.endswith(TEMP_SUFFIX):
+                            st = f.stat(follow_symlinks=False)
+                            if time.time() - st.st_mtime > 3600:  # a writer killed mid-copy
+                                with contextlib.suppress(OSError):
+                                    os.unlink(f.path)
+            total = sum(size for _, size, _ in copies)
+            removed = 0
+            for _, size, path in sorted(copies):
+                if total <= self.max_bytes:
+                    break
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    total -= size
+                    removed += 1
+            return removed
+        finally:
+            lock.release()
