@@ -3,12 +3,15 @@ fixture, and the ``_not_under_mpi`` fixture those files use for every test.
 
 A test file imports the fixtures by name (``from _store_helpers import _not_under_mpi,
 store_fixture``); pytest then finds them in its namespace, and ``_not_under_mpi`` is
-autouse there (only there).
+autouse there (only there). ``tmpfs`` mounts small real file systems (full, read-only).
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +64,30 @@ def store_fixture(cache_dir: Path) -> Store:
     s = Store(cache_dir)
     assert s.enabled, s.problem
     return s
+
+
+@pytest.fixture(name="tmpfs")
+def tmpfs_fixture(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Mount a small tmpfs (read-only or tiny); skipped where mounting is not allowed."""
+    mounted: list[Path] = []
+    mount = shutil.which("mount")
+
+    def make(options: str) -> Path:
+        path = tmp_path / f"mnt{len(mounted)}"
+        path.mkdir()
+        if mount is None:
+            pytest.skip("no mount command to make a read-only or full file system")
+        r = subprocess.run(
+            [mount, "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -35,6 +35,7 @@ from _store_helpers import (  # noqa: F401 (the fixtures: pytest finds them here
     lib_warnings,
     make_entry,
     store_fixture,
+    tmpfs_fixture,
 )
 from asyncclcache import maintenance
 from asyncclcache.entry import encode
@@ -160,33 +161,6 @@ def test_uncached_build_still_works_in_a_bad_directory(
     finally:
         cache.close()
     assert f.read_bytes() == b"not a directory"
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
-    """Mount a small tmpfs (read-only or tiny); skipped where mounting is not allowed."""
-    mounted: list[Path] = []
-    mount = shutil.which("mount")
-
-    def make(options: str) -> Path:
-        path = tmp_path / f"mnt{len(mounted)}"
-        path.mkdir()
-        if mount is None:
-            pytest.skip("no mount command to make a read-only or full file system")
-        r = subprocess.run(
-            [mount, "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
-        mounted.append(path)
-        return path
-
-    yield make
-    for path in reversed(mounted):
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _remount_ro(path: Path) -> None:

@@ -87,7 +87,7 @@ class NodeCopies:
         top, given, base = where
         self.base = base
         self.root = base / hashlib.sha256(str(shared_root).encode()).hexdigest()[:16]
-        self.count = count or (lambda name: None)
+        self.count = count if count is not None else (lambda name: None)
         self.max_bytes = max_bytes
         self.problem: str | None = None
         self._lock = threading.Lock()

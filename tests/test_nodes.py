@@ -1,0 +1,459 @@
+"""Jobs of many ranks: one entry per program in the shared directory, read once per node
+through node-local copies (:mod:`asyncclcache.nodecopies`), any rank count.
+
+The first part drives :class:`~asyncclcache.store.Store` in this process and in killed
+children, with real files (and real small file systems where mounting is allowed). The
+second runs real jobs: ``mpiexec`` (MPICH from PyPI, the ``mpi`` extra) and a private Slurm
+(Debian's ``slurm-wlm``, :mod:`_slurm`; root only), on pocl, with simulated nodes
+(``ASYNCCLCACHE_TEST_NODE``). Each is skipped, saying why, where it cannot run here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import _slurm
+from _store_helpers import key_of, make_entry, tmpfs_fixture  # noqa: F401 (the fixture)
+from asyncclcache import maintenance
+from asyncclcache.config import get_config
+from asyncclcache.errors import NodeDirWarning
+from asyncclcache.nodecopies import COPY_SUFFIX, NodeCopies, node_base
+from asyncclcache.ranks import detect_node
+from asyncclcache.store import ENTRY_SUFFIX, PublishResult, Store
+from conftest import ROOT
+
+IDENT = make_entry(key_of("x")).meta.devices
+
+# {{{ in this process: a Store per "rank", node by node
+
+
+class Counts(dict[str, int]):
+    def __call__(self, name: str) -> None:
+        self[name] = self.get(name, 0) + 1
+
+
+@pytest.fixture
+def rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Store, Counts]]]:
+    """``rank(r, node)``: a Store of the shared directory as rank ``r`` on simulated ``node``
+    sees it, and what its node-local copies counted."""
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(tmp_path / "node-local"))
+
+    def make(r: int, node: str, **kw: Any) -> tuple[Store, Counts]:
+        monkeypatch.setenv("ASYNCCLCACHE_TEST_NODE", node)
+        get_config.cache_clear()
+        counts = Counts()
+        return Store(tmp_path / "shared", rank=r, count=counts, **kw), counts
+
+    yield make
+    monkeypatch.undo()
+    get_config.cache_clear()
+
+
+def _opens_under(monkeypatch: pytest.MonkeyPatch, folder: Path) -> list[str]:
+    """Every ``os.open`` of an entry file under ``folder`` from now on (this process)."""
+    seen: list[str] = []
+    real = os.open
+
+    def counting(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        d = kw.get("dir_fd")
+        full = os.fspath(path) if d is None else os.path.join(os.readlink(f"/proc/self/fd/{d}"), os.fspath(path))
+        if full.startswith(str(folder)) and full.endswith(ENTRY_SUFFIX):
+            seen.append(full)
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", counting)
+    return seen
+
+
+def test_ranks_share_one_entry_and_each_node_reads_it_once(rank, tmp_path, monkeypatch) -> None:
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("counting opens by folder needs /proc/self/fd")
+    key = key_of("one per program")
+    writer, _ = rank(0, "a")
+    assert writer.publish(make_entry(key, b"code")) is PublishResult.WRITTEN
+    stores = [rank(r, node) for r, node in [(1, "a"), (2, "a"), (3, "b"), (4, "b"), (5, "b")]]
+    opens = _opens_under(monkeypatch, tmp_path / "shared")
+    for s, _ in stores:
+        entry, stamp = s.lookup(key, IDENT)
+        assert entry is not None and entry.binaries == (b"code",)
+        assert stamp == writer.stamp(key)
+    # One entry file for the whole job; node a's copy was left by the writer, node b read
+    # the shared file once, its other ranks its copy.
+    assert len(list(writer.entries())) == 1
+    assert len(opens) == 1
+    assert [c.get("shared_reads", 0) for _, c in stores] == [0, 0, 1, 0, 0]
+    assert [c.get("node_reads", 0) for _, c in stores] == [1, 1, 0, 1, 1]
+    # A node's copies are the node's: another simulated node has its own folder.
+    assert stores[0][0].node.root != stores[2][0].node.root
+
+
+def test_a_replaced_or_removed_shared_entry_is_never_served_from_an_old_copy(rank) -> None:
+    key = key_of("refreshed")
+    a0, _ = rank(0, "a")
+    b0, _ = rank(1, "b")
+    a0.publish(make_entry(key, b"first"))
+    a1, c1 = rank(2, "a")
+    assert a1.load(key, IDENT).binaries == (b"first",)
+    assert c1 == {"node_reads": 1}
+    b0.publish(make_entry(key, b"second, with more variants"))  # another node's refresh
+    assert a1.load(key, IDENT).binaries == (b"second, with more variants",)
+    assert c1 == {"node_reads": 1, "shared_reads": 1}
+    copies = list(a1.node.root.rglob(f"*{COPY_SUFFIX}"))
+    assert len(copies) == 1, copies  # the old copy went with the new one
+    b0.remove(key)
+    assert a1.load(key, IDENT) is None  # the copy of a removed entry is not a hit
+
+
+def test_a_damaged_copy_is_dropped_and_copied_again(rank) -> None:
+    key = key_of("torn copy")
+    a0, _ = rank(0, "a")
+    a0.publish(make_entry(key, b"payload"))
+    (copy,) = a0.node.root.rglob(f"*{COPY_SUFFIX}")
+    copy.write_bytes(copy.read_bytes()[:-7])
+    a1, c1 = rank(1, "a")
+    assert a1.load(key, IDENT).binaries == (b"payload",)
+    assert c1 == {"shared_reads": 1}
+    a2, c2 = rank(2, "a")
+    assert a2.load(key, IDENT).binaries == (b"payload",)
+    assert c2 == {"node_reads": 1}
+
+
+HOLD = r"""
+import sys, time
+from pathlib import Path
+from asyncclcache.locks import take
+c = take(sys.argv[1], Path(sys.argv[2]))
+print("held" if c else "not held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_rank_never_waits_for_the_one_copying(rank) -> None:
+    key = key_of("busy copier")
+    a0, _ = rank(0, "a")
+    a0.publish(make_entry(key, b"payload"))
+    for copy in a0.node.root.rglob(f"*{COPY_SUFFIX}"):
+        copy.unlink()
+    # Another process of the node holds the key's claim (copying, stopped, stuck).
+    lock = a0.node.root / key[:2] / f"{key}.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, key, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        a1, c1 = rank(1, "a")
+        t0 = time.monotonic()
+        assert a1.load(key, IDENT).binaries == (b"payload",)
+        # It read the shared file itself (had it waited, it would still be waiting: 120 s).
+        assert time.monotonic() - t0 < 60
+        assert c1 == {"shared_reads": 1}
+        assert not list(a0.node.root.rglob(f"*{COPY_SUFFIX}"))  # the holder's to make
+    finally:
+        holder.kill()
+        holder.wait()
+    a2, c2 = rank(2, "a")
+    a2.load(key, IDENT)
+    assert c2 == {"shared_reads": 1} and len(list(a0.node.root.rglob(f"*{COPY_SUFFIX}"))) == 1
+
+
+KILLED_WHILE_COPYING = r"""
+import os, signal, sys
+from pathlib import Path
+os.environ["ASYNCCLCACHE_TEST_NODE"] = "a"
+from asyncclcache import fileio, nodecopies
+from asyncclcache.store import Store
+real = fileio.atomic_write
+def half_then_die(directory, target, data, *a, **kw):
+    def die(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(directory, target, data, die, **kw)
+nodecopies.atomic_write = half_then_die
+s = Store(sys.argv[1], rank=int(sys.argv[2]))
+s.load(sys.argv[3])
+"""
+
+
+def test_a_rank_killed_while_copying_leaves_no_copy_and_no_claim(rank, tmp_path) -> None:
+    key = key_of("killed copier")
+    b0, _ = rank(0, "b")
+    b0.publish(make_entry(key, b"payload" * 1000))
+    env = dict(os.environ, ASYNCCLCACHE_NODE_DIR=str(tmp_path / "node-local"),
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", KILLED_WHILE_COPYING, str(tmp_path / "shared"), "1", key],
+                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    a1, c1 = rank(2, "a")
+    assert not list(a1.node.root.rglob(f"*{COPY_SUFFIX}"))  # only a temp file: no torn copy
+    assert a1.load(key, IDENT).binaries == (b"payload" * 1000,)
+    assert c1 == {"shared_reads": 1}  # the dead rank's claim went with it
+    a2, c2 = rank(3, "a")
+    assert a2.load(key, IDENT) is not None and c2 == {"node_reads": 1}
+
+
+def test_an_unusable_node_dir_warns_once_and_the_shared_copy_serves(rank, tmp_path, monkeypatch) -> None:
+    key = key_of("no node dir")
+    a0, _ = rank(0, "a")
+    a0.publish(make_entry(key, b"payload"))
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(blocker / "node"))
+    with pytest.warns(NodeDirWarning, match="reading entries from the shared directory") as record:
+        a1, c1 = rank(1, "a")
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            assert a1.load(key, IDENT).binaries == (b"payload",)
+    assert c1 == {"shared_reads": 3}  # each a read of the shared directory, counted
+    assert blocker.read_text() == "not a directory"
+
+
+def test_a_full_node_dir_warns_once_and_the_shared_copy_serves(rank, tmpfs, monkeypatch) -> None:
+    mnt = tmpfs("mode=0700,size=64k")
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(mnt))
+    keys = [key_of(f"big {i}") for i in range(3)]
+    writer, _ = rank(0, "w", node_copies=False)
+    for k in keys:
+        writer.publish(make_entry(k, os.urandom(40_000)))
+    a1, c1 = rank(1, "a")
+    with pytest.warns(NodeDirWarning, match="No space left") as record:
+        got = [a1.load(k, IDENT) for k in keys]
+    assert all(e is not None for e in got) and len(record) == 1
+    assert c1 == {"shared_reads": 3}
+    # Nothing half-written is left to be read as a copy.
+    assert not [p for p in mnt.rglob("*") if p.is_file() and p.suffix not in (COPY_SUFFIX, ".lock")]
+
+
+def test_a_read_only_node_dir_warns_once(rank, tmpfs, monkeypatch) -> None:
+    mnt = tmpfs("ro,mode=0755,size=1m")
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(mnt / "node"))
+    key = key_of("read-only node")
+    writer, _ = rank(0, "w", node_copies=False)
+    writer.publish(make_entry(key))
+    with pytest.warns(NodeDirWarning, match="Read-only"):
+        a1, _ = rank(1, "a")
+    assert a1.load(key, IDENT) is not None
+
+
+def test_copies_are_pruned_to_their_bound_least_recently_used_first(tmp_path) -> None:
+    node = NodeCopies(tmp_path / "shared", node_base(str(tmp_path / "node")), max_bytes=25_000)
+    for i in range(4):
+        node.put(key_of(f"c{i}"), (1, i, 10_000, i), b"x" * 10_000)
+        os.utime(node._copy_path(key_of(f"c{i}"), (1, i, 10_000, i)), (1000 + i, 1000 + i))
+    node.copy(key_of("c0"), (1, 0, 10_000, 0))  # used now: kept
+    assert node.prune() == 2
+    left = sorted(p.name.split("-")[0] for p in node.root.rglob(f"*{COPY_SUFFIX}"))
+    assert left == sorted([key_of("c0"), key_of("c3")])
+
+
+def test_node_identity_order(monkeypatch) -> None:
+    assert detect_node({"ASYNCCLCACHE_TEST_NODE": "sim1", "SLURMD_NODENAME": "n7"}) == "sim1"
+    assert detect_node({"SLURMD_NODENAME": "n7"}) == "n7"
+    assert detect_node({}) == socket.gethostname()
+
+
+# }}}
+
+# {{{ real jobs
+
+
+@functools.cache
+def _mpiexec() -> str | None:
+    bindir = os.path.dirname(sys.executable)
+    exe = shutil.which("mpiexec", path=bindir + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None:
+        return None
+    try:
+        probe = subprocess.run([exe, "-n", "2", sys.executable, "-c", "import os; print(os.environ['PMI_RANK'])"],
+                               capture_output=True, text=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    return exe if probe.returncode == 0 and sorted(probe.stdout.split()) == ["0", "1"] else None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_slurm.Slurm]:
+    got = _slurm.start(tmp_path_factory.mktemp("slurm"))
+    if isinstance(got, str):
+        pytest.skip(got)
+    yield got
+    got.stop()
+
+
+def _job_env(tmp_path: Path, nodes: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               ASYNCCLCACHE_DIR=str(tmp_path / "shared"), ASYNCCLCACHE_NODE_DIR=str(tmp_path / "node-local"),
+               ACC_TEST_NODES=str(nodes), ACC_TEST_START_AT=str(time.time() + 2))
+    env.update(extra)
+    return env
+
+
+def _rows(out: Path, job: str) -> list[dict[str, Any]]:
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob(f"{job}-rank*.json"))]
+    assert all(r["ok"] and r["flushed"] for r in rows), rows
+    return rows
+
+
+def _sum(rows: list[dict[str, Any]], name: str) -> int:
+    return sum(int(r["stats"][name]) for r in rows)
+
+
+def _mpijob(tmp_path: Path, n: int, job: str, programs: int, nodes: int = 1, *, mpi: bool = False,
+            strace: Path | None = None, **env: str) -> tuple[list[dict[str, Any]], str]:
+    exe = _mpiexec()
+    if exe is None:
+        pytest.skip("MPI cannot start here (no mpiexec: pip install '.[mpi]')")
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    argv = [exe, "-n", str(n), sys.executable, str(ROOT / "tests" / "_rankjob.py"), str(out), job,
+            str(programs), *(["mpi"] if mpi else [])]
+    if strace is not None:
+        argv = ["strace", "-f", "-y", "-qq", "-e", "trace=open,openat", "-o", str(strace), *argv]
+    r = subprocess.run(argv, capture_output=True, text=True, env=_job_env(tmp_path, nodes, **env),
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return _rows(out, job), r.stderr
+
+
+def _entries(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "shared").rglob(f"*{ENTRY_SUFFIX}"))
+
+
+def test_mpi_a_job_of_more_ranks_hits_every_program_one_entry_each(tmp_path) -> None:
+    cold, _ = _mpijob(tmp_path, 2, "cold", 3)
+    # One entry per program, whatever the rank count; one write each (the claims).
+    assert len(_entries(tmp_path)) == 3
+    assert _sum(cold, "writes") == 3
+    assert {r["directory"] for r in cold} == {str(tmp_path / "shared" / "v1")}
+    warm, _ = _mpijob(tmp_path, 4, "warm", 3)
+    assert [r["stats"]["hits"] for r in warm] == [3, 3, 3, 3]
+    assert _sum(warm, "misses") == 0 and _sum(warm, "writes") == 0
+    assert len(_entries(tmp_path)) == 3
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="counting opens needs strace")
+def test_mpi_each_node_reads_the_shared_directory_and_the_next_job_reads_nothing_there(tmp_path) -> None:
+    _mpijob(tmp_path, 2, "cold", 3, ASYNCCLCACHE_NODE_COPIES="0")  # the warm job's nodes start bare
+    trace = tmp_path / "strace"
+    warm, line = _mpijob(tmp_path, 4, "warm", 3, nodes=2, mpi=True, strace=trace,
+                         ASYNCCLCACHE_STATS="1")
+    shared = str(tmp_path / "shared")
+    opened = [ln for ln in trace.read_text().splitlines()
+              if shared in ln and ENTRY_SUFFIX + '"' in ln and "ENOENT" not in ln]
+    # The counter is the opens: every read of an entry file in the shared directory.
+    assert len(opened) == _sum(warm, "shared_reads")
+    by_node: dict[str, int] = {}
+    for r in warm:
+        by_node[r["node"]] = by_node.get(r["node"], 0) + int(r["stats"]["shared_reads"])
+        assert r["stats"]["hits"] == 3
+    # Each node read each entry at least once, and at most once a rank (a rank that came
+    # while another copied did not wait); the job's line says how many, node by node.
+    assert sorted(by_node) == ["sim0", "sim1"]
+    assert all(3 <= n <= 6 for n in by_node.values()), by_node
+    m = re.search(r"read from the shared directory per node: sim0 (\d+), sim1 (\d+)", line)
+    assert m is not None, line
+    assert [int(m.group(1)), int(m.group(2))] == [by_node["sim0"], by_node["sim1"]]
+    # The next job on these nodes reads nothing from the shared directory.
+    trace2 = tmp_path / "strace2"
+    again, _ = _mpijob(tmp_path, 4, "again", 3, nodes=2, strace=trace2)
+    assert _sum(again, "shared_reads") == 0 and _sum(again, "node_reads") == 12
+    assert not [ln for ln in trace2.read_text().splitlines()
+                if shared in ln and ENTRY_SUFFIX + '"' in ln and "ENOENT" not in ln]
+
+
+def test_mpi_two_jobs_at_once_on_one_node(tmp_path) -> None:
+    exe = _mpiexec()
+    if exe is None:
+        pytest.skip("MPI cannot start here (no mpiexec: pip install '.[mpi]')")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = _job_env(tmp_path, 1)
+    jobs = [subprocess.Popen([exe, "-n", "2", sys.executable, str(ROOT / "tests" / "_rankjob.py"), str(out),
+                              f"job{j}", "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for j in range(2)]
+    for p in jobs:
+        assert p.wait(timeout=600) == 0, p.stdout.read() if p.stdout else ""
+    rows = _rows(out, "job0") + _rows(out, "job1")
+    assert len(rows) == 4
+    assert _sum(rows, "hits") + _sum(rows, "misses") == 12
+    assert len(_entries(tmp_path)) == 3
+    assert maintenance.verify(Store(tmp_path / "shared", create=False)) == []
+    warm, _ = _mpijob(tmp_path, 2, "warm", 3)
+    assert _sum(warm, "hits") == 6
+
+
+def test_slurm_rank_and_node_from_srun_and_a_rank_count_change(slurm, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    job = [sys.executable, str(ROOT / "tests" / "_rankjob.py"), str(out)]
+    env = _job_env(tmp_path, 0)
+    env.pop("ASYNCCLCACHE_TEST_NODE", None)
+    r = slurm.srun(2, *job, "cold", "3", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr + slurm.logs()
+    cold = _rows(out, "cold")
+    # Rank and node from Slurm alone (no MPI here): SLURM_PROCID, SLURMD_NODENAME.
+    assert sorted(row["rank"] for row in cold) == [0, 1]
+    assert {row["node"] for row in cold} == {socket.gethostname().split(".")[0]}
+    assert len(_entries(tmp_path)) == 3
+    env["ACC_TEST_START_AT"] = str(time.time() + 2)
+    r = slurm.srun(4, *job, "warm", "3", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    warm = _rows(out, "warm")
+    assert [row["stats"]["hits"] for row in warm] == [3, 3, 3, 3]
+    assert _sum(warm, "misses") == 0 and len(_entries(tmp_path)) == 3
+    # The same node: the cold job's writers left their entries' copies here, so the warm
+    # job read nothing from the shared directory.
+    assert (_sum(warm, "shared_reads"), _sum(warm, "node_reads")) == (0, 12)
+
+
+KILL_RANK_1 = r"""
+import os, runpy, signal, sys
+if os.environ.get("SLURM_PROCID") == "1":
+    import asyncclcache.cache as c
+    real = c.Cache._missed
+    def die(self, *a, **kw):
+        real(self, *a, **kw)
+        os.kill(os.getpid(), signal.SIGKILL)  # in the middle: a build done, its entry on its way
+    c.Cache._missed = die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_slurm_a_rank_killed_in_the_middle(slurm, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    env = _job_env(tmp_path, 2)
+    wrapper = tmp_path / "kill_rank_1.py"
+    wrapper.write_text(KILL_RANK_1)
+    r = slurm.srun(4, "--kill-on-bad-exit=0", sys.executable, str(wrapper), str(ROOT / "tests" / "_rankjob.py"),
+                   str(out), "killed", "3", env=env)
+    assert r.returncode != 0  # srun says a task died
+    rows = _rows(out, "killed")
+    assert sorted(row["rank"] for row in rows) == [0, 2, 3]
+    store = Store(tmp_path / "shared", create=False)
+    assert maintenance.verify(store) == []
+    env["ACC_TEST_START_AT"] = str(time.time() + 2)
+    r = slurm.srun(4, sys.executable, str(ROOT / "tests" / "_rankjob.py"), str(out), "after", "3", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = _rows(out, "after")
+    assert _sum(after, "hits") + _sum(after, "misses") == 12
+    assert len(_entries(tmp_path)) == 3
+
+
+# }}}
