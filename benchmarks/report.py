@@ -17,7 +17,7 @@ from typing import Any
 #: Column order everywhere. ``acc-process`` and ``acc-sync`` are in older results only (their
 #: strategies are gone, issue 27): kept here so that those still render.
 VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-idle",
-            "acc-process", "acc-sync", "acc-thread", "acc-shared"]
+            "acc-process", "acc-sync", "acc-thread", "acc-shared", "acc-ranklocal"]
 #: Column heads; ``acc`` is renamed after the strategy auto picked on the machine (render()).
 HEAD = {
     "nocache": "no cache",
@@ -31,6 +31,7 @@ HEAD = {
     "acc-sync": "acc sync",
     "acc-thread": "acc thread",
     "acc-shared": "acc shared",
+    "acc-ranklocal": "acc rank-local",
 }
 #: What each column is (rendered under the tables).
 LEGEND = {
@@ -53,7 +54,9 @@ LEGEND = {
     "BINARIES query; gone since issue 27)",
     "acc-sync": "asyncclcache, strategy `sync` (binary query inline in `build()`; gone since issue 27)",
     "acc-thread": "asyncclcache, strategy `thread` (query on a background thread)",
-    "acc-shared": "asyncclcache `auto`, one directory for all ranks (`acc` is rank-local)",
+    "acc-shared": "asyncclcache `auto`, one directory for all ranks, every rank reading it "
+    "(`ASYNCCLCACHE_NODE_COPIES=0`; `acc` reads it once per node; before issue 28 `acc` was rank-local)",
+    "acc-ranklocal": "asyncclcache `auto`, a directory per rank (`ASYNCCLCACHE_RANK_LOCAL=1`)",
 }
 SAME_NODE = "†"
 #: Columns whose cold run is another column's configuration (``acc-baked``: ``acc``'s, the bake
@@ -489,6 +492,11 @@ def render(R: dict[str, Any], plots: list[str]) -> str:
         if not table.rows:
             continue
         md += [f"## {title}", "", intro, "", table.md(), ""]
+    if R.get("nodes"):
+        import nodes
+
+        md += ["## Ranks on several nodes, one shared directory", "", nodes.__doc__.split("\n\n", 1)[1].strip(),
+               "", nodes.table_md(R["nodes"]), ""]
     md += ["Columns: " + "; ".join(f"**{HEAD[v]}**: {LEGEND[v]}"
                                    for v in VARIANTS if v in used or (v == "acc-shared" and rt))
            + ".", ""]

@@ -7,7 +7,8 @@ driver kernel cache (``POCL_CACHE_DIR``, ``CUDA_CACHE_PATH``: a new node), a fre
 ``XDG_CACHE_HOME`` and its own cache directory. The variants of one row run side by
 side in the same invocation, interleaved across repetitions. Sections: seed, multi
 (time to the first result, cold and warm), stall (the main thread while the binary
-work runs), throughput (many short-lived programs), ranks (R processes at once).
+work runs), throughput (many short-lived programs), ranks (R processes at once), nodes
+(R ranks on N simulated nodes sharing one directory: opens, entries, bytes; nodes.py).
 Writes ``report.md``, ``report.json`` and, with matplotlib (the ``plot`` extra), PNG
 plots to ``--out`` (default benchmarks/out/); the numbers are rewritten after every
 section, the plots drawn at the end (or at Ctrl-C).
@@ -45,7 +46,7 @@ import report  # noqa: E402
 VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-thread"]
 QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked"]
 RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
-SECTIONS = ["seed", "multi", "stall", "throughput", "ranks"]
+SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes"]
 
 
 class Progress:
@@ -135,6 +136,10 @@ class Runner:
             env["POCL_WORK_GROUP_SPECIALIZATION"] = "0"
         if variant == "acc-idle":
             env["ASYNCCLCACHE_BAKE"] = "idle"
+        if variant == "acc-shared":
+            env["ASYNCCLCACHE_NODE_COPIES"] = "0"  # every rank reads the shared directory
+        if variant == "acc-ranklocal":
+            env["ASYNCCLCACHE_RANK_LOCAL"] = "1"
         src = str(REPO / "src")
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
@@ -153,12 +158,13 @@ class Runner:
             tag = f"{self.n:04d}-{given['task']}-{given.get('variant')}"
             spec = dict(given, out=str(self.work / f"{tag}.json"))
             env = spec.pop("_env")
+            wrap = spec.pop("_wrap", [])  # e.g. strace, to count file operations
             spec_path = self.work / f"{tag}.spec.json"
             spec_path.write_text(json.dumps(spec))
             logf = open(self.logs / f"{tag}.log", "wb")  # noqa: SIM115 - closed below
             t0 = time.perf_counter()
             proc = subprocess.Popen(
-                [self.python, str(CHILD), str(spec_path)],
+                [*wrap, self.python, str(CHILD), str(spec_path)],
                 env=env,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -565,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default=None,
                     help="rank counts, e.g. 1,4,8,16 (default: 1, powers of two from 4, "
                          "and the number of cores)")
+    ap.add_argument("--node-ranks", default="4,16,64", type=lambda t: [int(x) for x in t.split(",")],
+                    help="nodes section: rank counts (default 4,16,64; 8 ranks a simulated node)")
     ap.add_argument("--n", type=int, default=1000,
                     help="statements in the seed kernel (1000: about 5 s of pocl compile)")
     ap.add_argument("--variants", default=None,
@@ -678,6 +686,14 @@ def main(argv: list[str] | None = None) -> int:
             use([x for x in v if x != "acc-shared"])
             R["ranks"] = measure_ranks(runner, ranks, v, args.n, min(reps, 2), 1,
                                        lambda res: save("ranks", res))
+        if "nodes" in sections:
+            log.section("nodes")
+            import nodes
+
+            modes = nodes.MODES if keep_variants is None else [m for m in nodes.MODES if m in keep_variants]
+            use(modes)
+            R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
+                                             lambda res: save("nodes", res))
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", flush=True)
     finally:

@@ -28,11 +28,11 @@ if [[ ",$extras," == *",test,"* ]] && ! command -v mkfs.ext4 >/dev/null 2>&1 && 
 fi
 
 # The tests run real jobs under a private Slurm (tests/_slurm.py: munged, slurmctld, slurmd as
-# root): Debian's slurm-wlm daemons and client, where we may install them.
+# root), and count file operations with strace: Debian's packages, where we may install them.
 if [[ ",$extras," == *",test,"* ]] && ! command -v slurmd >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
     echo "setup: installing Debian's slurmctld, slurmd, slurm-client, munge (for the tests' private Slurm)" >&2
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        slurmctld slurmd slurm-client munge >/dev/null || true
+        slurmctld slurmd slurm-client munge strace >/dev/null || true
 fi
 
 if [ ! -x "$venv/bin/python" ]; then

@@ -56,7 +56,8 @@ def bold_columns(md: str, row: str) -> set[str]:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("bench")
-    r = bench("--quick", "--only", "seed,ranks", "--ranks", "2", "--n", "20", "--out", str(out))
+    r = bench("--quick", "--only", "seed,ranks,nodes", "--ranks", "2", "--node-ranks", "4", "--n", "20",
+              "--out", str(out))
     return out, r
 
 
@@ -64,7 +65,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
 def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
     out, r = quick_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[" in r.stdout and "1/2 seed]" in r.stdout and "2/2 ranks]" in r.stdout  # progress
+    assert "[" in r.stdout and "1/3 seed]" in r.stdout and "2/3 ranks]" in r.stdout  # progress
     R = json.loads((out / "report.json").read_text())
     assert R["machine"]["auto_strategy"] == "kcache"  # pocl's CPU device, kernel cache on
     seed = R["first_result_seed"]
@@ -87,7 +88,7 @@ def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
 
 
 @pytest.mark.slow
-def test_rank_sweep_writes_once_per_rank_or_once_shared(quick_run: tuple[Path, Any]) -> None:
+def test_rank_sweep_writes_once_per_key_whatever_the_mode(quick_run: tuple[Path, Any]) -> None:
     out, r = quick_run
     assert r.returncode == 0, r.stdout[-3000:]
     rows = json.loads((out / "report.json").read_text())["ranks"]["rows"]
@@ -98,14 +99,43 @@ def test_rank_sweep_writes_once_per_rank_or_once_shared(quick_run: tuple[Path, A
         for run in phases["cold"] + phases["warm"]:
             assert not run["error"], (v, run)
             assert len(run["per_rank"]) == 2 and all(t > 0 for t in run["per_rank"])
-    # Rank-local: each rank writes its own entry; shared: one claim wins.
-    assert row["acc"]["cold"][0]["writes"] == 2
-    shared = row["acc-shared"]["cold"][0]
-    assert shared["writes"] == 1
-    assert shared["skipped"] + shared["hits"] == 1  # the other rank skipped (or came late)
+    # One directory for the ranks (with node-local copies or without): one claim wins.
+    for v in ("acc", "acc-shared"):
+        shared = row[v]["cold"][0]
+        assert shared["writes"] == 1
+        assert shared["skipped"] + shared["hits"] == 1  # the other rank skipped (or came late)
     for v in ("acc", "acc-shared"):
         warm = row[v]["warm"][0]
         assert warm["hits"] == 2 and warm["misses"] == 0
+
+
+@pytest.mark.slow
+def test_nodes_section_counts_entries_opens_and_the_rank_count_change(quick_run: tuple[Path, Any]) -> None:
+    out, r = quick_run
+    assert r.returncode == 0, r.stdout[-3000:]
+    res = json.loads((out / "report.json").read_text())["nodes"]
+    E = res["programs"]
+    row = res["rows"]["4"]
+    assert row["nodes"] == 2
+    for mode in ("acc-ranklocal", "acc-shared", "acc"):
+        c = row[mode]
+        assert not c["error"], (mode, c)
+        assert c["warm_hits"] == 4 * E and c["warm_misses"] == 0
+        assert c["warm_median_s"] > 0
+    # A directory per rank: a copy per rank; one directory: one entry per program.
+    assert row["acc-ranklocal"]["cold_entries"] == 4 * E
+    assert row["acc-shared"]["cold_entries"] == row["acc"]["cold_entries"] == E
+    # Every rank of the shared modes opens what it hits there; node copies: each node at
+    # least once (a rank that came while another copied read it too), never more than that.
+    assert row["acc-shared"]["warm_opens"] == 4 * E
+    assert 2 * E <= row["acc"]["warm_opens"] <= 4 * E
+    assert row["acc"]["warm_opens"] == row["acc"]["warm_shared_reads"]
+    assert row["acc"]["warm_node_reads"] == 4 * E - row["acc"]["warm_opens"]
+    # 4 ranks after 2: rank-local ranks 2 and 3 start cold; the shared directory hits.
+    ch = res["rank_change"]
+    assert (ch["acc"]["hits"], ch["acc-shared"]["hits"], ch["acc-ranklocal"]["hits"]) == (4 * E, 4 * E, 2 * E)
+    md = (out / "report.md").read_text()
+    assert "## Ranks on several nodes, one shared directory" in md and "| 4 / 2 | acc |" in md
 
 
 @pytest.mark.slow
