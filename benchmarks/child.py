@@ -83,8 +83,8 @@ from workloads import WORK_ITEMS, WORKLOADS, Prog, small  # noqa: E402
 
 RESULT["import_s"] = pc() - T_START
 VARIANT: str = SPEC.get("variant") or "nocache"
-ACC_STRATEGY = {"acc": "auto", "acc-shared": "auto", "acc-ranklocal": "auto", "acc-thread": "thread", "acc-baked": "auto",
-                "acc-idle": "auto"}
+ACC_STRATEGY = {"acc": "auto", "acc-shared": "auto", "acc-ranklocal": "auto", "acc-thread": "thread",
+                "acc-baked": "auto", "acc-idle": "auto"}
 
 
 def _acc_cache() -> Any:

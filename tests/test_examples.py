@@ -71,8 +71,12 @@ def test_mpi_example_explains_or_runs(cache_dir):
     if mpiexec is None:
         pytest.skip("mpi4py is installed but no mpiexec was found")
     env = dict(os.environ, ASYNCCLCACHE_DIR=str(cache_dir))
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script], capture_output=True,
-                          text=True, env=env, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert "2 ranks, rank-local caches" in proc.stdout
-    assert "rank-0" in proc.stdout and "rank-1" in proc.stdout
+    runs = {}
+    for n in (2, 4):  # more ranks the second time: every rank hits
+        runs[n] = subprocess.run([mpiexec, "-n", str(n), sys.executable, script], capture_output=True,
+                                 text=True, env=env, timeout=600, check=False)
+        assert runs[n].returncode == 0, runs[n].stderr
+    assert "2 ranks, one shared cache" in runs[2].stdout and "misses 8" in runs[2].stdout
+    assert "4 ranks, one shared cache" in runs[4].stdout and "hits 16, misses 0" in runs[4].stdout
+    assert runs[4].stdout.count(str(cache_dir / "v1") + "\n") == 4
+    assert "read from the shared directory per node" in runs[4].stdout

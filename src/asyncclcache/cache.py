@@ -209,8 +209,7 @@ class Cache:
         if not (math.isfinite(self.exit_timeout) and self.exit_timeout >= 0):
             raise ValueError(f"exit_timeout must be a finite number of seconds >= 0, got {exit_timeout!r}")
         self.max_size = parse_size(max_size) if max_size is not None else cfg.max_size
-        # The counters are made anew in a forked child: looked up at each count.
-        self.store = Store(directory, rank_local=rank_local, count=lambda name: self._counters.add(name))
+        self.store = Store(directory, rank_local=rank_local, count=self._count)
         self._bake_idle = cfg.bake == "idle"
         self._nworkers = max(1, workers)
         self._start_fresh()
@@ -587,6 +586,10 @@ class Cache:
         self._memory.remember(entry)
         if self._baker is not None and entry.meta.source is not None:
             self._baker.add(entry.key)
+
+    def _count(self, name: str) -> None:
+        # The store's counts; the counters are made anew in a forked child.
+        self._counters.add(name)
 
     def _save_lifetime(self) -> None:
         if self.store.writable:

@@ -14,8 +14,11 @@ named by that file's stamp (device, inode, size, modification time): a shared en
 was replaced (a refresh) or removed is never served from an old copy, and no clock is
 compared. Without a copy, the rank that takes the key's claim (an ``flock``, taken without
 waiting) reads the shared entry, checks it as :class:`~.store.Store` does, and leaves the
-copy; a rank that finds the claim held does not wait for it: it reads the shared entry
-itself. Copies are scratch, written without ``fsync`` (a torn one fails its checksum and is
+copy; a rank that finds the claim held waits for that copy no longer than its own reads of
+the shared directory take (:data:`WAIT_BOUNDS`), then reads the shared entry itself: a
+stopped or slow rank never holds up another for more than the read it would save.
+
+Copies are scratch, written without ``fsync`` (a torn one fails its checksum and is
 dropped); they outlive the job, so the next job on the node reads nothing from the shared
 directory, and are pruned to ``ASYNCCLCACHE_NODE_MAX_SIZE`` (least recently used first) by
 one process at exit. A node-local directory that cannot be used (not writable, full,
@@ -55,6 +58,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 2 << 30
 #: Names in the node-local directory (the shared directory's are :mod:`.store`'s).
 PRUNE_LOCK = "copies.lock"
+#: A rank that finds another copying an entry waits for that copy at most twice as long as its
+#: own reads of the shared directory took (the first: :data:`FIRST_WAIT`), within these bounds
+#: (seconds), then reads the shared entry itself: never longer than the read it saves, so a
+#: stopped or slow rank costs another little, and ranks that reach an entry together (SPMD
+#: after a barrier) still read it once a node.
+WAIT_BOUNDS = (0.002, 0.25)
+FIRST_WAIT = 0.02
+WAIT_POLL = 0.0005
 COPY_SUFFIX = ".copy"
 
 
@@ -91,6 +102,7 @@ class NodeCopies:
         self.max_bytes = max_bytes
         self.problem: str | None = None
         self._lock = threading.Lock()
+        self._budget = FIRST_WAIT
         try:
             if given:
                 top.parent.mkdir(parents=True, exist_ok=True)
@@ -132,6 +144,28 @@ class NodeCopies:
         if data is not None:
             self._touch(self._copy_path(key, stamp))
         return data
+
+    def wait_for(self, key: str, stamp: Stamp) -> tuple[bytes | None, Claim | None]:
+        """While another process of the node holds ``key``'s claim (copying it): its copy,
+        waited for no longer than this process's own reads of the shared directory take
+        (:meth:`read_took`); or the claim, if its holder let go without a copy (killed, or
+        its read failed). ``(None, None)``: read the shared entry yourself."""
+        deadline = time.monotonic() + self._budget
+        while True:
+            data = self.copy(key, stamp)
+            if data is not None:
+                return data, None
+            claim = self.claim(key)
+            if claim is not None or time.monotonic() >= deadline:
+                return None, claim
+            time.sleep(WAIT_POLL)
+
+    def read_took(self, seconds: float) -> None:
+        """A read of the shared directory took ``seconds``: the wait for another's copy is
+        bounded by twice the slowest (:data:`WAIT_BOUNDS`)."""
+        lo, hi = WAIT_BOUNDS
+        with self._lock:
+            self._budget = min(hi, max(self._budget, lo, 2 * seconds))
 
     def drop(self, key: str, stamp: Stamp, why: str) -> None:
         """Remove a copy that failed its check (torn, damaged): the next reader copies again."""

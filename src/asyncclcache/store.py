@@ -372,7 +372,8 @@ class Store:
     def _read_near(self, key: str, node: NodeCopies) -> ReadResult:
         """:meth:`read`, from this node's copy of the shared file as it is now where there is
         one (no open in the shared directory); else the shared file, copied for the node's
-        other ranks by the one that holds the node's claim (the others do not wait)."""
+        other ranks by the one that holds the node's claim (the others wait for that copy no
+        longer than a read of their own takes, :meth:`.NodeCopies.wait_for`)."""
         path = self.path_for(key)
         try:
             st = os.lstat(path)
@@ -391,9 +392,20 @@ class Store:
                     node.count("node_reads")
                     return ReadResult(path, entry=entry, stat=st, data=data)
         claim = node.claim(key)
+        if claim is None and st is not None and stat.S_ISREG(st.st_mode):
+            # Another rank of the node is copying it: its copy, if it comes within the time
+            # a read of our own would take.
+            data, claim = node.wait_for(key, stamp_of(st))
+            if data is not None:
+                with contextlib.suppress(EntryFormatError):
+                    entry = check_data(key, data)
+                    node.count("node_reads")
+                    return ReadResult(path, entry=entry, stat=st, data=data)
         try:
+            t0 = time.monotonic()
             r = self.read(key)  # and what is wrong with the file, as without copies
             if r.data is not None:
+                node.read_took(time.monotonic() - t0)
                 node.count("shared_reads")
             if claim is not None and r.entry is not None and r.data is not None and r.stat is not None:
                 node.write(key, stamp_of(r.stat), r.data)
