@@ -33,8 +33,11 @@ LEGEND = {
 PROGRAMS = 4
 
 
-def nodes_for(ranks: int) -> int:
-    """Simulated nodes for ``ranks``: 8 ranks a node, at least 2 (1 for a single rank)."""
+def nodes_for(ranks: int, per_node: int | None = None) -> int:
+    """Simulated nodes for ``ranks``: ``per_node`` ranks a node; by default 8 a node, at
+    least 2 (1 for a single rank)."""
+    if per_node:
+        return -(-ranks // per_node)
     return 1 if ranks == 1 else max(2, ranks // 8)
 
 
@@ -54,14 +57,16 @@ def _opens(trace_files: list[Path], acc_dir: str) -> int:
 
 
 def measure_nodes(runner: Any, ranks: list[int], modes: list[str], log: Callable[[str], None],
-                  save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+                  save: Callable[[dict[str, Any]], None], *, reps: int = 1,
+                  per_node: int | None = None) -> dict[str, Any]:
+    """``reps``: timed warm jobs per row (the median of their medians)."""
     strace = shutil.which("strace")
     res: dict[str, Any] = {"programs": PROGRAMS, "counted_by": "strace" if strace else "counters",
-                           "rows": {}}
+                           "reps": reps, "rows": {}}
 
     def job(mode: str, R: int, acc_dir: str, node_dir: str, *, trace: str | None = None,
             rank_of: Callable[[int], int] = lambda r: r, size: int | None = None) -> list[dict[str, Any]]:
-        N = nodes_for(size or R)
+        N = nodes_for(size or R, per_node)
         start_at = time.time() + 1.5 + 0.25 * R
         specs = []
         for r in range(R):
@@ -86,7 +91,7 @@ def measure_nodes(runner: Any, ranks: list[int], modes: list[str], log: Callable
         return int(sum((r.get("stats_final") or {}).get(k, 0) for r in rs))
 
     for R in ranks:
-        N = nodes_for(R)
+        N = nodes_for(R, per_node)
         row = res["rows"].setdefault(str(R), {"nodes": N})
         for mode in modes:
             acc_dir = runner.fresh(f"{mode}-shared")
@@ -109,11 +114,15 @@ def measure_nodes(runner: Any, ranks: list[int], modes: list[str], log: Callable
                 one["warm_opens"] = _opens(sorted(Path(trace).parent.glob("t.*")), acc_dir)
             else:  # every hit read its entry from the directory, except those of node copies
                 one["warm_opens"] = one["warm_hits"] - one["warm_node_reads"]
-            timed = warm if trace is None else job(mode, R, acc_dir, runner.fresh("node-local"))
-            firsts = [r.get("first_result_s") for r in timed]
-            one["warm_median_s"] = _median(firsts)
-            one["warm_max_s"] = max((x for x in firsts if x is not None), default=None)
-            one["error"] = one["error"] or next((r["error"] for r in warm + timed if r.get("error")), None)
+            timed_jobs = [warm] if trace is None else []
+            while len(timed_jobs) < reps:
+                timed_jobs.append(job(mode, R, acc_dir, runner.fresh("node-local")))
+            medians = [_median([r.get("first_result_s") for r in t]) for t in timed_jobs]
+            one["warm_median_s"] = _median(medians)
+            one["warm_medians_s"] = medians
+            one["warm_max_s"] = max((r.get("first_result_s") or 0 for t in timed_jobs for r in t), default=None)
+            one["error"] = one["error"] or next(
+                (r["error"] for r in warm + [x for t in timed_jobs for x in t] if r.get("error")), None)
             row[mode] = one
             log(f"nodes R={R} N={N} {mode:14s} cold: {one['cold_entries']} entries "
                 f"{one['cold_bytes'] / 1e6:.2f} MB | warm: {one['warm_opens']} opens of entries "

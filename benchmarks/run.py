@@ -573,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
                          "and the number of cores)")
     ap.add_argument("--node-ranks", default="4,16,64", type=lambda t: [int(x) for x in t.split(",")],
                     help="nodes section: rank counts (default 4,16,64; 8 ranks a simulated node)")
+    ap.add_argument("--ranks-per-node", type=int, default=None,
+                    help="nodes section: ranks a simulated node (default 8, at least 2 nodes)")
     ap.add_argument("--n", type=int, default=1000,
                     help="statements in the seed kernel (1000: about 5 s of pocl compile)")
     ap.add_argument("--variants", default=None,
@@ -693,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
             modes = nodes.MODES if keep_variants is None else [m for m in nodes.MODES if m in keep_variants]
             use(modes)
             R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
-                                             lambda res: save("nodes", res))
+                                             lambda res: save("nodes", res), reps=min(reps, 3),
+                                             per_node=args.ranks_per_node)
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", flush=True)
     finally:

@@ -113,6 +113,15 @@ def test_info_reads_the_environment(populated: tuple[Path, int]) -> None:
     assert info["entries"] == 3 and info["max_size"] == 2 << 20
 
 
+def test_info_says_where_ranks_keep_node_copies(populated: tuple[Path, int], tmp_path: Path) -> None:
+    env = {"ASYNCCLCACHE_DIR": str(populated[0]), "ASYNCCLCACHE_NODE_DIR": str(tmp_path / "local")}
+    info = _json(cli("info", "--json", env=env))
+    assert info["node_copies"] == {"when": "for ranks", "directory": str(tmp_path / "local"),
+                                   "max_size": 2 << 30}
+    off = cli("info", env=dict(env, ASYNCCLCACHE_NODE_COPIES="0", ASYNCCLCACHE_NODE_MAX_SIZE="1G"))
+    assert off.returncode == 0 and "node copies" in off.stdout and "(off)" in off.stdout
+
+
 @pytest.mark.parametrize("command", ["info", "list", "verify", "stats"])
 def test_regular_file_foreign_and_insecure_directories(command: str, tmp_path: Path) -> None:
     f = tmp_path / "file"

@@ -237,6 +237,15 @@ def _lifetime(stores: list[Any]) -> dict[str, float]:
     return total
 
 
+def _node_copies(cfg: Any) -> dict[str, Any]:
+    """Where ranks keep node-local copies of entries (docs/mpi.md), and when."""
+    from .nodecopies import node_base
+
+    _, _, base = node_base(cfg.node_dir, cfg.test_node)
+    when = {None: "for ranks", True: "always", False: "off"}[cfg.node_copies]
+    return {"when": when, "directory": str(base), "max_size": cfg.node_max_size}
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from .config import get_config
     from .keys import FORMAT_VERSION
@@ -265,6 +274,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "devices_seen": devices,
         "lifetime": life,
     }
+    info["node_copies"] = _node_copies(cfg)
     info.update(_opencl_versions(cfg.strategy))
     human = [
         f"asyncclcache {__version__}",
@@ -272,6 +282,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     if info["rank_directories"]:
         human.append(f"  rank-local     {len(info['rank_directories'])} rank directories")
+    human.append(f"  node copies    {info['node_copies']['directory']}  ({info['node_copies']['when']})")
     human += [
         f"  format         v{FORMAT_VERSION}",
         f"  entries        {info['entries']}  ({_human(info['bytes'])})",
