@@ -119,7 +119,7 @@ def test_info_says_where_ranks_keep_node_copies(populated: tuple[Path, int], tmp
     assert info["node_copies"] == {"when": "for ranks", "directory": str(tmp_path / "local"),
                                    "max_size": 2 << 30}
     off = cli("info", env=dict(env, ASYNCCLCACHE_NODE_COPIES="0", ASYNCCLCACHE_NODE_MAX_SIZE="1G"))
-    assert off.returncode == 0 and "node copies" in off.stdout and "(off)" in off.stdout
+    assert off.returncode == 0 and "node copies    off: " in off.stdout
 
 
 @pytest.mark.parametrize("command", ["info", "list", "verify", "stats"])

@@ -242,7 +242,7 @@ def _node_copies(cfg: Any) -> dict[str, Any]:
     from .nodecopies import node_base
 
     _, _, base = node_base(cfg.node_dir, cfg.test_node)
-    when = {None: "for ranks", True: "always", False: "off"}[cfg.node_copies]
+    when = {None: "for ranks", True: "always", False: "off"}[cfg.node_copies]  # shown first: lines are cut
     return {"when": when, "directory": str(base), "max_size": cfg.node_max_size}
 
 
@@ -282,7 +282,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     if info["rank_directories"]:
         human.append(f"  rank-local     {len(info['rank_directories'])} rank directories")
-    human.append(f"  node copies    {info['node_copies']['directory']}  ({info['node_copies']['when']})")
+    human.append(f"  node copies    {info['node_copies']['when']}: {info['node_copies']['directory']}")
     human += [
         f"  format         v{FORMAT_VERSION}",
         f"  entries        {info['entries']}  ({_human(info['bytes'])})",
