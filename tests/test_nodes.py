@@ -178,7 +178,7 @@ def test_ranks_that_reach_an_entry_together_read_it_once_a_node(rank, monkeypatc
     key = key_of("together")
     w, _ = rank(0, "w")
     w.publish(make_entry(key, b"payload"))
-    holder, hc = rank(1, "a")
+    holder, _ = rank(1, "a")
     # The bound of the wait is a time; here it cannot be what decides (10 s).
     monkeypatch.setattr(nodecopies, "FIRST_WAIT", 10.0)
     waiter, wc = rank(2, "a")
