@@ -170,8 +170,8 @@ def table_md(res: dict[str, Any]) -> str:
             c = row.get(m)
             if c is None:
                 continue
-            ok = "" if c["warm_opens"] <= (N or 0) * E else " (over)"
-            md.append(f"| {R} / {N} | {m} | {c['warm_opens']}{ok} (bound {N * E}) | "
+            over = c["warm_opens"] / (N * E) if N else 0
+            md.append(f"| {R} / {N} | {m} | {c['warm_opens']} ({over:.1f}x the bound {N * E}) | "
                       f"{c['warm_hits']}/{int(R) * E} | {c['cold_entries']} | {c['cold_bytes'] / 1e6:.2f} | "
                       f"{_fmt(c.get('warm_median_s'))} / {_fmt(c.get('warm_max_s'))} |")
     ch = res.get("rank_change") or {}
