@@ -119,6 +119,27 @@ def test_a_replaced_or_removed_shared_entry_is_never_served_from_an_old_copy(ran
     assert a1.load(key, IDENT) is None  # the copy of a removed entry is not a hit
 
 
+def test_ranks_reading_a_copy_mark_the_shared_entry_used_about_once_an_hour_a_node(rank) -> None:
+    key = key_of("marks")
+    w, _ = rank(0, "w")
+    w.publish(make_entry(key, b"payload"))
+    shared = w.path_for(key)
+    os.utime(shared, (1000, 2000))
+    a1, _ = rank(1, "a")
+    assert a1.load(key, IDENT) is not None
+    a1.touch(key)  # the rank that read the shared file marks it
+    assert os.stat(shared).st_atime > 1000
+    os.utime(shared, (1000, 2000))
+    a2, c2 = rank(2, "a")
+    assert a2.load(key, IDENT) is not None and c2 == {"node_reads": 1}
+    a2.touch(key)  # its node marked it just now (the copy is new): no metadata call there
+    assert os.stat(shared).st_atime == 1000
+    (copy,) = a2.node.root.rglob(f"*{COPY_SUFFIX}")
+    os.utime(copy, (time.time(), time.time() - 2 * 3600))
+    a2.touch(key)  # an hour later: marked again, once
+    assert os.stat(shared).st_atime > 1000 and time.time() - copy.stat().st_mtime < 600
+
+
 def test_a_damaged_copy_is_dropped_and_copied_again(rank) -> None:
     key = key_of("torn copy")
     a0, _ = rank(0, "a")

@@ -66,6 +66,9 @@ PRUNE_LOCK = "copies.lock"
 WAIT_BOUNDS = (0.002, 0.25)
 FIRST_WAIT = 0.02
 WAIT_POLL = 0.0005
+#: Seconds between two marks of a shared entry as used by a node whose ranks read its copy.
+MARK_EVERY = 3600.0
+MAX_SERVED = 100_000
 COPY_SUFFIX = ".copy"
 
 
@@ -103,6 +106,8 @@ class NodeCopies:
         self.problem: str | None = None
         self._lock = threading.Lock()
         self._budget = FIRST_WAIT
+        #: Keys this process read from a copy, and the copy's path.
+        self._served: dict[str, Path] = {}
         try:
             if given:
                 top.parent.mkdir(parents=True, exist_ok=True)
@@ -140,10 +145,37 @@ class NodeCopies:
         the caller checks them as an entry), or ``None``."""
         if not self.enabled:
             return None
-        data = self._read_copy(self._copy_path(key, stamp))
+        path = self._copy_path(key, stamp)
+        data = self._read_copy(path)
         if data is not None:
-            self._touch(self._copy_path(key, stamp))
+            # Its atime: the node's LRU (prune). Its mtime stays when the node last marked the
+            # shared entry used (:meth:`shared_use_due`).
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                os.utime(path, ns=(time.time_ns(), st.st_mtime_ns), follow_symlinks=False)
+            with self._lock:
+                if len(self._served) >= MAX_SERVED:
+                    self._served.clear()
+                self._served[key] = path
         return data
+
+    def shared_use_due(self, key: str) -> bool:
+        """Whether a use of ``key`` should mark the shared entry used (its atime, for the
+        shared directory's LRU): yes unless this process read it from a copy whose node
+        marked it within :data:`MARK_EVERY` (this host's clock against this host's file),
+        so a node's ranks mark an entry about once an hour, not once a hit each."""
+        with self._lock:
+            path = self._served.get(key)
+        if path is None:
+            return True
+        try:
+            st = os.lstat(path)
+            if time.time() - st.st_mtime < MARK_EVERY:
+                return False
+            os.utime(path, follow_symlinks=False)  # marked now
+        except OSError:
+            pass
+        return True
 
     def wait_for(self, key: str, stamp: Stamp) -> tuple[bytes | None, Claim | None]:
         """While another process of the node holds ``key``'s claim (copying it): its copy,
@@ -189,12 +221,6 @@ class NodeCopies:
             return None
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _touch(path: Path) -> None:
-        # For the node's own LRU prune: this host's clock against this host's files.
-        with contextlib.suppress(OSError):
-            os.utime(path, follow_symlinks=False)
 
     # }}}
 

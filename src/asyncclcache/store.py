@@ -571,7 +571,11 @@ class Store:
             yield StoredEntry(name[: -len(ENTRY_SUFFIX)], p, st.st_size, st.st_mtime, st.st_atime)
 
     def touch(self, key: str) -> None:
-        """Mark ``key`` as just used (its atime), without rewriting it. Never raises."""
+        """Mark ``key`` as just used (its atime), without rewriting it; for an entry read
+        from this node's copy, about once an hour a node (:meth:`.NodeCopies.shared_use_due`).
+        Never raises."""
+        if self.node is not None and not self.node.shared_use_due(key):
+            return
         path = self.path_for(key)
         with contextlib.suppress(OSError):
             st = os.lstat(path)
