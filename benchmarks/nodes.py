@@ -1,7 +1,8 @@
 """The ``nodes`` section of ``asyncclcache bench``: jobs of R ranks on N simulated nodes
 sharing one cache directory, as on a cluster's shared file system.
 
-For each rank count R (N = R/8 nodes, at least 2) and each mode, a cold job (empty
+For each rank count R (N = R/8 nodes, at least 2; ``--ranks-per-node`` sets another
+size) and each mode, a cold job (empty
 directory), then a warm job on new nodes (new driver caches, new node-local storage):
 
 * ``acc-ranklocal``: a directory per rank (the default before node-local copies);
