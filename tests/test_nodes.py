@@ -10,7 +10,6 @@ second runs real jobs: ``mpiexec`` (MPICH from PyPI, the ``mpi`` extra) and a pr
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from asyncclcache.nodecopies import COPY_SUFFIX, NodeCopies, node_base
 from asyncclcache.ranks import detect_node
 from asyncclcache.store import ENTRY_SUFFIX, PublishResult, Store
 from conftest import ROOT
+from test_mpi import _mpiexec  # mpiexec, where MPI (with mpi4py) starts here
 
 IDENT = make_entry(key_of("x")).meta.devices
 
@@ -320,20 +320,6 @@ def test_node_identity_order(monkeypatch) -> None:
 # }}}
 
 # {{{ real jobs
-
-
-@functools.cache
-def _mpiexec() -> str | None:
-    bindir = os.path.dirname(sys.executable)
-    exe = shutil.which("mpiexec", path=bindir + os.pathsep + os.environ.get("PATH", ""))
-    if exe is None:
-        return None
-    try:
-        probe = subprocess.run([exe, "-n", "2", sys.executable, "-c", "import os; print(os.environ['PMI_RANK'])"],
-                               capture_output=True, text=True, timeout=120, check=False)
-    except subprocess.TimeoutExpired:
-        return None
-    return exe if probe.returncode == 0 and sorted(probe.stdout.split()) == ["0", "1"] else None
 
 
 @pytest.fixture(scope="module")
