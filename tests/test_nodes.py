@@ -457,6 +457,23 @@ def test_slurm_rank_and_node_from_srun_and_a_rank_count_change(slurm, tmp_path) 
     assert (_sum(warm, "shared_reads"), _sum(warm, "node_reads")) == (0, 12)
 
 
+def test_slurm_an_unwritable_node_dir_each_rank_warns_once_and_hits(slurm, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    job = [sys.executable, str(ROOT / "tests" / "_rankjob.py"), str(out)]
+    assert slurm.srun(2, *job, "cold", "3", env=_job_env(tmp_path, 0)).returncode == 0
+    blocker = tmp_path / "not a folder"
+    blocker.write_text("x")
+    env = _job_env(tmp_path, 0, ASYNCCLCACHE_NODE_DIR=str(blocker / "node"), PYTHONWARNINGS="always")
+    r = slurm.srun(2, *job, "warm", "3", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    warm = _rows(out, "warm")
+    assert [row["stats"]["hits"] for row in warm] == [3, 3]
+    assert _sum(warm, "shared_reads") == 6  # each rank read the shared directory itself
+    assert r.stderr.count("NodeDirWarning") == 2, r.stderr  # once a rank
+    assert blocker.read_text() == "x"
+
+
 KILL_RANK_1 = r"""
 import os, runpy, signal, sys
 if os.environ.get("SLURM_PROCID") == "1":
