@@ -29,7 +29,7 @@ fi
 
 # The tests run real jobs under a private Slurm (tests/_slurm.py: munged, slurmctld, slurmd as
 # root), and count file operations with strace: Debian's packages, where we may install them.
-if [[ ",$extras," == *",test,"* ]] && ! command -v slurmd >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+if [[ ",$extras," == *",test,"* ]] && [ "$(id -u)" -eq 0 ] && ! { command -v slurmd && command -v strace; } >/dev/null 2>&1; then
     echo "setup: installing Debian's slurmctld, slurmd, slurm-client, munge (for the tests' private Slurm)" >&2
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         slurmctld slurmd slurm-client munge strace >/dev/null || true

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,6 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sinfo")
+
+
+def _version() -> tuple[int, int]:
+    r = subprocess.run(["slurmd", "-V"], capture_output=True, text=True, timeout=30, check=False)
+    m = re.search(r"(\d+)\.(\d+)", r.stdout)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 def _free_port() -> int:
@@ -99,13 +106,12 @@ PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     slurm = Slurm(folder, env, [folder / "munged.pid"])
+    if not os.path.ismount("/sys/fs/cgroup") and _version() >= (23, 2):
+        # Slurm 23.02+ starts its cgroup plugin in slurmd whatever the proctrack plugin, and
+        # fails where no cgroup file system is mounted (a chroot): it can be turned off.
+        (folder / "cgroup.conf").write_text("CgroupPlugin=disabled\n")
     for daemon in ("slurmctld", "slurmd"):
         r = subprocess.run([daemon], env=env, capture_output=True, text=True, timeout=60, check=False)
-        if r.returncode != 0 and daemon == "slurmd" and "cgroup" in (folder / "slurmd.log").read_text(errors="replace"):
-            # Slurm 23.02+ starts its cgroup plugin in slurmd whatever the proctrack plugin;
-            # where no cgroup file system is mounted (a chroot), it can be turned off.
-            (folder / "cgroup.conf").write_text("CgroupPlugin=disabled\n")
-            r = subprocess.run([daemon], env=env, capture_output=True, text=True, timeout=60, check=False)
         slurm.pids.append(folder / f"{daemon}.pid")
         if r.returncode != 0:
             slurm.stop()
