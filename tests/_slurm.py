@@ -8,11 +8,9 @@ why it cannot start here (not root, no Slurm installed, a daemon that did not co
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -40,7 +38,7 @@ class Slurm:
 
     folder: Path
     env: dict[str, str]
-    pids: list[Path] = field(default_factory=list)
+    daemons: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def srun(self, n: int, *argv: str, env: dict[str, str] | None = None,
              timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -48,10 +46,21 @@ class Slurm:
         return subprocess.run(["srun", "--overcommit", "-n", str(n), *argv], capture_output=True,
                               text=True, env={**self.env, **(env or {})}, timeout=timeout, check=False)
 
+    def start(self, *argv: str) -> subprocess.Popen[bytes]:
+        """A daemon in the foreground, ours to stop (none outlives the tests)."""
+        proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.daemons.append(proc)
+        return proc
+
     def stop(self) -> None:
-        for pid_file in reversed(self.pids):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
+        for proc in reversed(self.daemons):
+            proc.terminate()
+        for proc in reversed(self.daemons):
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
@@ -71,14 +80,11 @@ def start(folder: Path) -> Slurm | str:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     sock = folder / "munge.sock"
-    subprocess.run(["munged", "--force", f"--key-file={key}", f"--socket={sock}",
-                    f"--pid-file={folder / 'munged.pid'}", f"--log-file={folder / 'munged.log'}",
-                    f"--seed-file={folder / 'munged.seed'}"], check=False, capture_output=True, timeout=30)
     for d in ("state", "spool"):
         (folder / d).mkdir(exist_ok=True)
     conf = folder / "slurm.conf"
     conf.write_text(f"""ClusterName=acctest
-SlurmctldHost={host}
+SlurmctldHost={host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -101,23 +107,30 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
-NodeName={host} CPUs=64 State=UNKNOWN
+NodeName={host} NodeAddr=127.0.0.1 NodeHostname={host} CPUs=64 State=UNKNOWN
 PartitionName=tests Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """)
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    slurm = Slurm(folder, env, [folder / "munged.pid"])
+    slurm = Slurm(folder, env)
     if not os.path.ismount("/sys/fs/cgroup") and _version() >= (23, 2):
         # Slurm 23.02+ starts its cgroup plugin in slurmd whatever the proctrack plugin, and
         # fails where no cgroup file system is mounted (a chroot): it can be turned off.
         (folder / "cgroup.conf").write_text("CgroupPlugin=disabled\n")
+    slurm.start("munged", "--foreground", "--force", f"--key-file={key}", f"--socket={sock}",
+                f"--pid-file={folder / 'munged.pid'}", f"--log-file={folder / 'munged.log'}",
+                f"--seed-file={folder / 'munged.seed'}")
+    for _ in range(100):
+        if sock.exists():
+            break
+        time.sleep(0.1)
     for daemon in ("slurmctld", "slurmd"):
-        r = subprocess.run([daemon], env=env, capture_output=True, text=True, timeout=60, check=False)
-        slurm.pids.append(folder / f"{daemon}.pid")
-        if r.returncode != 0:
-            slurm.stop()
-            return f"{daemon} did not start: {r.stderr.strip() or r.stdout.strip()}\n{slurm.logs()}"
+        slurm.start(daemon, "-D")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
+        gone = [p.args[0] for p in slurm.daemons if p.poll() is not None]
+        if gone:
+            slurm.stop()
+            return f"{', '.join(map(str, gone))} did not start\n{slurm.logs()}"
         r = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True,
                            timeout=30, check=False)
         if r.returncode == 0 and r.stdout.strip() in ("idle", "mixed", "allocated"):
