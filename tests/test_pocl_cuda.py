@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -74,6 +75,32 @@ def test_libdevice_is_found_where_pocl_looks(tmp_path: Path) -> None:
     assert pocl_cuda.libdevice({"POCL_CUDA_TOOLKIT_PATH": str(tmp_path / "none"), "CUDA_HOME": str(tmp_path / "none")}) in (
         None, *[Path(f"{b}{s}/libdevice/libdevice.10.bc") for b in ("/usr/local/lib/cuda", "/usr/local/lib", "/usr/lib")
                 for s in ("/nvvm", "/nvidia-cuda-toolkit", "")])
+
+
+def test_the_key_holds_nvidia_settings_and_libdevice_on_the_cuda_device(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import pyopencl as cl
+
+    from asyncclcache import keys
+
+    # What pyopencl's Device reports for pocl's CUDA device and for its CPU device (the
+    # attributes the rule reads; no OpenCL call is made).
+    plat = SimpleNamespace(name=pocl_cuda.pocl.NAME)
+    gpu = SimpleNamespace(platform=plat, type=cl.device_type.GPU, vendor_id=0x10DE)
+    cpu = SimpleNamespace(platform=plat, type=cl.device_type.CPU, vendor_id=0x1002)
+    lib = tmp_path / "tk" / "nvvm" / "libdevice" / "libdevice.10.bc"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"one")
+    for k, v in {"POCL_CUDA_TOOLKIT_PATH": str(tmp_path / "tk"), "POCL_CUDA_GPU_ARCH": "sm_90",
+                 "CUDA_FORCE_PTX_JIT": "1", "CUDA_CACHE_PATH": str(tmp_path / "nv")}.items():
+        monkeypatch.setenv(k, v)
+    first, _ = keys.settings_of([gpu])  # type: ignore[list-item]
+    assert first["POCL_CUDA_GPU_ARCH"] == "sm_90" and first["POCL_CUDA_TOOLKIT_PATH"] == str(tmp_path / "tk")
+    assert first["CUDA_FORCE_PTX_JIT"] == "1" and "CUDA_CACHE_PATH" not in first
+    lib.write_bytes(b"two!")  # another libdevice at the same place: another key
+    assert keys.settings_of([gpu])[0]["pocl_cuda_libdevice"] != first["pocl_cuda_libdevice"]  # type: ignore[list-item]
+    on_cpu, _ = keys.settings_of([cpu])  # type: ignore[list-item]
+    assert "CUDA_FORCE_PTX_JIT" not in on_cpu and "pocl_cuda_libdevice" not in on_cpu
 
 
 # }}}
