@@ -257,7 +257,7 @@ def settings_of(devices: Sequence[cl.Device]) -> tuple[dict[str, str], str | Non
             out.update(got)
             doubt = doubt or why
     for d in devices:
-        platform = platforms.find(d.platform.name)
+        platform = platforms.of_devices([d])  # pocl's CUDA device has a record of its own
         if platform is not None and platform.settings is not None and platform.settings.per_device is not None:
             out.update(platform.settings.per_device(d, os.environ))
     if any(d.type & cl.device_type.CPU for d in devices):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import pyopencl as cl
 
-__all__ = ["Layout", "Platform", "Settings"]
+__all__ = ["Layout", "Part", "Platform", "Settings"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,9 @@ class Layout:
     #: A variant is compiled once it holds a ``<kernel>.*`` file but these suffixes: its
     #: files written before the compiled one (which releases name differently).
     unfinished: tuple[str, ...] = ()
+    #: One folder per program: launches add files to it (pocl's CPU devices compile a
+    #: variant per launch); ``False``: the build writes them all (pocl's CUDA device).
+    launches_add: bool = True
 
     def valid(self, rel: str) -> bool:
         """``rel`` is a name this cache may hold (plain names, no ``..``, no absolute path)."""
@@ -100,6 +103,19 @@ class Layout:
 #: ``(folder, "")``, or ``(None, why not)``: where an implementation's cache is now for some
 #: of its devices, and whether it is on.
 Locate = Callable[[Sequence["cl.Device"]], tuple[Path | None, str]]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One of several caches that a device uses together, stored as one entry (pocl's CUDA
+    device: pocl's folder per program and NVIDIA's compute cache): the folder its files
+    take in an entry, its layout, and where it is now and whether it is on."""
+
+    prefix: str
+    layout: Layout
+    locate: Locate
+
+
 #: ``(options, working directory) -> (folder, doubt)``: see :attr:`Platform.include_rule`.
 IncludeRule = Callable[[bytes, str | None], tuple[str | None, str | None]]
 
@@ -131,6 +147,12 @@ class Platform:
     #: (built plainly, counted ``cache_off``), and :attr:`why_off` says why and what to do.
     query_compiles: Callable[[cl.Device], bool] | None = None
     why_off: str = ""
+    #: A record of some of an implementation's devices only (pocl's CUDA device): which.
+    #: Such a record is found by :func:`asyncclcache.platforms.of_devices`, not by name.
+    devices: Callable[[cl.Device], bool] | None = None
+    #: Its cache is several caches, stored together (``layout`` names the whole, ``locate``
+    #: says which parts are on); the driver stores each part's files under its prefix.
+    parts: tuple[Part, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.layout is None) != (self.locate is None):

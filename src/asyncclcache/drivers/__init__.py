@@ -10,7 +10,9 @@
   - :mod:`.kcache_folders`: one folder per program (pocl's kernel cache; driver
     ``kcache``), found and read by :mod:`.folders`;
   - :mod:`.kcache_files`: one file per item, named by its content's hash (NVIDIA's
-    compute cache, Mesa's shader cache; drivers ``kcache-nvidia``, ``kcache-mesa``).
+    compute cache, Mesa's shader cache; drivers ``kcache-nvidia``, ``kcache-mesa``);
+  - :mod:`.kcache_parts`: several of those caches that one device uses together, as one
+    entry (pocl's CUDA device: pocl's folder and NVIDIA's files; ``kcache-pocl-cuda``).
 
   Both share :mod:`.background` (their thread) and :mod:`.cachefiles` (the trust rules,
   reading and restoring files).
@@ -67,14 +69,14 @@ def driver_cache(devices: Sequence[cl.Device]) -> tuple[str | None, Path | None,
     names = {d.platform.name for d in devices}
     if not devices or len(names) != 1:
         return None, None, "the devices are not of one platform"
-    name = names.pop()
-    platform = platforms.find(name)
+    platform = platforms.of_devices(devices)
     if platform is None or platform.layout is None or platform.locate is None:
-        return None, None, f"{name} has no disk cache whose layout asyncclcache knows"
+        return None, None, f"{names.pop()} has no disk cache whose layout asyncclcache knows"
     root, why = platform.locate(devices)
     if root is None:
         return None, None, why
-    return platform.layout.strategy, root, platform.why_cache.format(root=root)
+    # A cache of parts: ``why`` says which are on.
+    return platform.layout.strategy, root, platform.why_cache.format(root=root, note=why)
 
 
 def auto_strategy(devices: Sequence[cl.Device]) -> str:
@@ -105,13 +107,14 @@ def make_driver(name: str, workers: Workers, devices: Sequence[cl.Device] = ()) 
         root, why = platform.locate(devices)
         if root is None:
             raise ValueError(f"strategy kcache: {why}")
-        if platform.layout.per_program:
-            from .kcache_folders import KcacheDriver
+        if platform.parts:
+            from .kcache_parts import PartsDriver
 
-            return KcacheDriver(root)
-        from .kcache_files import FileCacheDriver
-
-        return FileCacheDriver(root, platform.layout)
+            located = [(part, *part.locate(devices)) for part in platform.parts]
+            return PartsDriver(platform.layout, [
+                (part.prefix, part.layout, None if r is None else _cache_driver(part.layout, r), w)
+                for part, r, w in located])
+        return _cache_driver(platform.layout, root)
     if name == "thread":
         from .thread import ThreadDriver
 
@@ -121,6 +124,17 @@ def make_driver(name: str, workers: Workers, devices: Sequence[cl.Device] = ()) 
 
         return OffDriver(auto_reason(devices))
     raise ValueError(f"unknown strategy {name!r}")
+
+
+def _cache_driver(layout: platforms.Layout, root: Path) -> Driver:
+    """The driver of one cache: one folder per program, or one file per item."""
+    if layout.per_program:
+        from .kcache_folders import KcacheDriver
+
+        return KcacheDriver(root, layout)
+    from .kcache_files import FileCacheDriver
+
+    return FileCacheDriver(root, layout)
 
 
 def auto_reason(devices: Sequence[cl.Device]) -> str:

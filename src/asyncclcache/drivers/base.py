@@ -262,6 +262,11 @@ class Driver(ABC):
         """``job`` stands for a hit that the pipeline keeps for a refresh (``watches_hits``):
         note what ``entry`` holds (the caller's thread, through the pipeline; cheap)."""
 
+    def unused_hit(self, key: str, files: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """A hit of this driver that the cache counts as a miss all the same (another part
+        of the entry went unused, :mod:`.kcache_parts`): the ``files`` it restored belong to
+        that build's own snapshot (the caller's thread; cheap)."""
+
     def written(self, job: Job, snap: Snapshot) -> None:  # noqa: B027 - optional hook
         """An entry of ``job`` was written from ``snap`` (a writer thread; one at a time per job)."""
 

@@ -279,6 +279,13 @@ class FileCacheDriver(BackgroundDriver):
         with self._cond:
             self._written[job] = frozenset(snap.files or ())
 
+    def unused_hit(self, key: str, files: Sequence[str]) -> None:
+        # The miss's window then takes what the restore placed (the build used it).
+        with self._cond:
+            self._watches.pop(key, None)
+            for rel in files:
+                self._known.pop(rel, None)
+
     def stale(self, jobs: Sequence[Job]) -> list[Job]:
         """Hits whose build added files, and builds whose window gained files since their
         snapshot (Mesa compiles at the first launch, which may end long after it): their

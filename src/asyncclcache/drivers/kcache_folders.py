@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _pyopencl
 from ..fsclock import EPS, FsClock, clock_for
+from ..platform import Layout
 from ..platforms import pocl
 from .background import BackgroundDriver, Waiting
 from .base import Build, Done, Hit, HitOutcome, Job, Lost, PerJob, Snapshot
@@ -99,7 +100,8 @@ class KcacheDriver(BackgroundDriver):
     """Snapshots pocl's kernel-cache folders on one background thread. Thread-safe.
 
     ``root`` is pocl's kernel cache directory as pocl found it when it started
-    (:func:`asyncclcache.platforms.pocl.kernel_cache_dir`), fixed for the driver's life.
+    (:func:`asyncclcache.platforms.pocl.kernel_cache_dir`), fixed for the driver's life;
+    ``layout``, pocl's (its CPU devices) or its CUDA device's (no launch adds a file).
     """
 
     name = "kcache"
@@ -110,8 +112,11 @@ class KcacheDriver(BackgroundDriver):
     bakes = True
     settle_seconds = SETTLE_SECONDS
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, layout: Layout = pocl.LAYOUT) -> None:
         self.root = root
+        #: Whether launches add variants to a folder (a snapshot waits for them): pocl's
+        #: CPU devices; its CUDA device's build writes every file (F27).
+        self.launches_add = layout.launches_add
         self.clock = FsClock(root)  # unmeasured (the worst case) until the thread measures
         super().__init__()  # _waiting: snapshots waiting for the program's first launches
         self._identify: list[Job] = []
@@ -371,6 +376,8 @@ class KcacheDriver(BackgroundDriver):
                              self.clock.tick, most=folders_per_build(job))
         else:
             folders = found.folders or ()
+        if not self.launches_add:
+            return bool(folders)
         return bool(folders) and ready(self.root, folders, job.kernels, self.clock.since(job.built_from))
 
     # }}}

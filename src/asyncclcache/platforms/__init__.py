@@ -6,7 +6,8 @@ devices, where its own cache lives and whether it is on, that cache's layout, it
 rule, the settings that change its code, and what ``auto`` picks there and why:
 
 * :mod:`.pocl`: pocl (its kernel cache, strategy ``kcache``; ``off`` on its CPU devices
-  where that cache is off);
+  where that cache is off); :mod:`.pocl_cuda`: its CUDA device (pocl's kernel cache and
+  NVIDIA's compute cache together, ``kcache-pocl-cuda``);
 * :mod:`.intel`: Intel's CPU runtime (settings and ``cl.cfg`` only);
 * :mod:`.nvidia`: NVIDIA's OpenCL (its compute cache, ``kcache-nvidia``);
 * :mod:`.mesa`: Mesa's rusticl (its shader cache, ``kcache-mesa``) and Clover (settings only).
@@ -29,12 +30,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..platform import Layout, Platform, Settings
-from . import intel, mesa, nvidia, pocl
+from . import intel, mesa, nvidia, pocl, pocl_cuda
 
 if TYPE_CHECKING:
     import pyopencl as cl
 
 __all__ = [
+    "DEVICE_RECORDS",
     "PLATFORMS",
     "Layout",
     "Platform",
@@ -42,6 +44,7 @@ __all__ = [
     "by_strategy",
     "extra_options",
     "find",
+    "of_devices",
     "per_build",
     "source_folder",
 ]
@@ -49,13 +52,31 @@ __all__ = [
 #: The table: every implementation the package knows.
 PLATFORMS: tuple[Platform, ...] = (pocl.PLATFORM, intel.PLATFORM, nvidia.PLATFORM, mesa.PLATFORM, mesa.CLOVER)
 
+#: Records of some devices of an implementation in :data:`PLATFORMS` (their own caches), found
+#: by :func:`of_devices`; for everything else (settings, includes) the implementation's record.
+DEVICE_RECORDS: tuple[Platform, ...] = (pocl_cuda.PLATFORM,)
+
 _BY_NAME = {name: p for p in PLATFORMS for name in p.names}
-_BY_STRATEGY = {p.layout.strategy: p for p in PLATFORMS if p.layout is not None}
+_BY_STRATEGY = {p.layout.strategy: p for p in PLATFORMS + DEVICE_RECORDS if p.layout is not None}
 
 
 def find(name: str) -> Platform | None:
     """The record of the OpenCL platform called ``name`` (``platform.name``), or ``None``."""
     return _BY_NAME.get(name)
+
+
+def of_devices(devices: Sequence[cl.Device]) -> Platform | None:
+    """The record whose cache serves ``devices`` (of one platform): one of
+    :data:`DEVICE_RECORDS` that takes them all, else their implementation's; ``None`` where
+    they are of several platforms, or of one not in the table."""
+    names = {d.platform.name for d in devices}
+    if len(names) != 1:
+        return None
+    name = names.pop()
+    for p in DEVICE_RECORDS:
+        if name in p.names and p.devices is not None and all(p.devices(d) for d in devices):
+            return p
+    return find(name)
 
 
 def by_strategy(strategy: str) -> Platform | None:

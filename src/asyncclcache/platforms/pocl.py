@@ -28,10 +28,12 @@ directory before it compiles, so a quoted ``#include`` of the main source is loo
 there first (:func:`source_dir`).
 
 **Its settings** (:data:`SETTINGS`): every ``POCL_*`` but :data:`NOT_CODE`, read at every
-build; on its CUDA device also ``CUDA_HOME``.
+build; on its other devices also ``CUDA_HOME``; on its CUDA device NVIDIA's ``CUDA_*`` and
+libdevice too (:mod:`.pocl_cuda`, whose record holds that device's caches).
 
 **What auto picks**: its kernel cache (``kcache``) on its CPU devices where the cache is
-on. Where it is off, nothing (``off``: built plainly, counted ``cache_off``): on its CPU
+on (its CUDA device: :mod:`.pocl_cuda`). Where it is off, nothing (``off``: built
+plainly, counted ``cache_off``): on its CPU
 devices the binary query compiles (F1, F3), so no binary is taken in the job's process,
 and :data:`WHY_OFF` says to turn the cache on, with what a helper process's binary gave
 instead (measured, issue 27).
