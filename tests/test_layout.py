@@ -167,7 +167,7 @@ def test_every_module_imports_alone(module):
 #: Names on disk, and the one module that spells each (the others ask it).
 DISK_NAMES = {"stats.json": "store", "stats.lock": "store", "prune.lock": "store", ".acl": "store",
               "rank-": "store", ".lock": "locks", ".tmp-": "fileio",
-              ".copy": "nodecopies", "copies.lock": "nodecopies"}
+              ".copy": "nodecopies"}
 
 
 def _string_constants(tree: ast.AST) -> list[tuple[int, str]]:

@@ -249,8 +249,13 @@ def test_a_rank_killed_while_copying_leaves_no_copy_and_no_claim(rank, tmp_path)
     assert r.returncode == -signal.SIGKILL, r.stderr
     a1, c1 = rank(2, "a")
     assert not list(a1.node.root.rglob(f"*{COPY_SUFFIX}"))  # only a temp file: no torn copy
+    left = [p for p in a1.node.root.rglob("*") if p.is_file()]
+    assert left and all(p.name.endswith((".partial", ".lock")) for p in left), left
     assert a1.load(key, IDENT).binaries == (b"payload" * 1000,)
     assert c1 == {"shared_reads": 1}  # the dead rank's claim went with it
+    # The dead copier's temp (and lock) file go with the next sweep, as in the shared directory.
+    assert maintenance.sweep(a1.node) >= 1
+    assert not [p for p in a1.node.root.rglob("*") if p.is_file() and p.name.endswith(".partial")]
     a2, c2 = rank(3, "a")
     assert a2.load(key, IDENT) is not None and c2 == {"node_reads": 1}
 
@@ -306,7 +311,7 @@ def test_copies_are_pruned_to_their_bound_least_recently_used_first(tmp_path) ->
         node.put(key_of(f"c{i}"), (1, i, 10_000, i), b"x" * 10_000)
         os.utime(node._copy_path(key_of(f"c{i}"), (1, i, 10_000, i)), (1000 + i, 1000 + i))
     node.copy(key_of("c0"), (1, 0, 10_000, 0))  # used now: kept
-    assert node.prune() == 2
+    assert maintenance.prune(node, max_size=node.max_bytes).removed == 2
     left = sorted(p.name.split("-")[0] for p in node.root.rglob(f"*{COPY_SUFFIX}"))
     assert left == sorted([key_of("c0"), key_of("c3")])
 

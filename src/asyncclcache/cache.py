@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import summary
+from . import maintenance, summary
 from .config import STRATEGIES, get_config, parse_size, strategy_in_use
 from .drivers import Build, Driver, Hit, HitOutcome, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
@@ -331,8 +331,11 @@ class Cache:
         self._workers.stop(grace)
         if self._baker is not None:
             self._baker.close()  # never waited for: what it has not baked stays kcache
-        if self.store.node is not None:
-            self.store.node.prune()  # one process per node does it; the others skip
+        node = self.store.node
+        if node is not None:  # one process per node prunes; the others skip
+            maintenance.sweep(node)
+            if node.max_bytes is not None:
+                maintenance.prune(node, max_size=node.max_bytes)
         pending = self._pipeline.pending
         if pending:
             logger.info("asyncclcache: exit with %d jobs pending: dropped", pending)

@@ -32,6 +32,7 @@ from functools import lru_cache
 
 from ._flags import parse_bool
 from .errors import RemovedStrategyWarning
+from .nodecopies import DEFAULT_MAX_BYTES
 from .ranks import TEST_NODE_ENV
 
 __all__ = [
@@ -96,7 +97,7 @@ class Config:
     rank_local: bool | None = None
     node_copies: bool | None = None
     node_dir: str | None = None
-    node_max_size: int | None = 2 << 30
+    node_max_size: int | None = DEFAULT_MAX_BYTES
     #: Test-only: a simulated node's name (:data:`.ranks.TEST_NODE_ENV`).
     test_node: str | None = None
     strategy: str = "auto"
@@ -131,8 +132,8 @@ class Config:
         except ValueError as err:
             raise ValueError(f"ASYNCCLCACHE_MAX_SIZE: {err}") from None
         try:
-            raw = e.get("ASYNCCLCACHE_NODE_MAX_SIZE") or "2G"  # empty: unset
-            node_max_size = parse_size(raw)
+            raw = e.get("ASYNCCLCACHE_NODE_MAX_SIZE") or None  # empty: unset
+            node_max_size = DEFAULT_MAX_BYTES if raw is None else parse_size(raw)
         except ValueError as err:
             raise ValueError(f"ASYNCCLCACHE_NODE_MAX_SIZE: {err}") from None
         return cls(

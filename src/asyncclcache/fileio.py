@@ -20,6 +20,7 @@ import socket
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,9 +34,13 @@ __all__ = [
     "TEMP_PREFIX",
     "TEMP_SUFFIX",
     "InsecurePathError",
+    "StoredEntry",
     "atomic_write",
     "atomic_writer",
+    "fanout_dirs",
+    "fanout_files",
     "insecure",
+    "listed",
     "make_private_dir",
     "nofollow_opener",
     "temp_prefix",
@@ -180,3 +185,57 @@ def atomic_write(
     ``write_hook(temp_path)`` runs before the data is written (tests widen the window)."""
     with atomic_writer(directory, target, on_open=write_hook, durable=durable) as f:
         f.write(data)
+
+
+# {{{ listing a fan-out tree (a cache directory's entries, a node's copies of them)
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """A file as listed in a fan-out tree: an entry, or a node's copy of one (no validation);
+    ``key`` is its name less the suffix."""
+
+    key: str
+    path: Path
+    size: int
+    mtime: float
+    atime: float
+
+
+def fanout_dirs(root: Path) -> Iterator[Path]:
+    """The ``XX/`` directories (two hex digits; not links) under ``root``."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return
+    for name in names:
+        if len(name) == 2 and all(c in "0123456789abcdef" for c in name):
+            p = root / name
+            if p.is_dir() and not p.is_symlink():
+                yield p
+
+
+def fanout_files(root: Path) -> Iterator[tuple[Path, str]]:
+    """``(path, name)`` of every file in the fan-out directories under ``root``."""
+    for d in fanout_dirs(root):
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue  # removed meanwhile
+        for name in names:
+            yield d / name, name
+
+
+def listed(root: Path, suffix: str) -> Iterator[StoredEntry]:
+    """Every file named ``*<suffix>`` (not hidden) in the fan-out directories under
+    ``root``, unvalidated. Safe while others write (files may vanish)."""
+    for p, name in fanout_files(root):
+        if not name.endswith(suffix) or name.startswith("."):
+            continue
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        yield StoredEntry(name[: -len(suffix)], p, st.st_size, st.st_mtime, st.st_atime)
+
+# }}}

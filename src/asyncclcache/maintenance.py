@@ -1,6 +1,7 @@
 """Keeping a cache directory in order: orphaned temp and lock files, full checks, the size
-bound, clearing. Used by the cache's writer thread (size bound, sweep) and the command
-line (``verify``, ``prune``, ``clear``); :class:`~.store.Store` offers each as a method.
+bound, clearing. Used by the cache's writer thread (size bound, sweep), the command line
+(``verify``, ``prune``, ``clear``), and at exit for a node's copies of the entries
+(:class:`~.nodecopies.NodeCopies`: ``sweep`` and ``prune``, the same tree).
 
 Everything here is safe while other processes read and write the directory: entries
 disappear atomically (readers see the whole entry or none), a held lock file is never
@@ -26,7 +27,13 @@ from .store import PRUNE_LOCK
 from .system import pid_alive
 
 if TYPE_CHECKING:
-    from .store import Store, StoredEntry
+    from .fileio import StoredEntry
+    from .nodecopies import NodeCopies
+    from .store import Store
+
+    #: What is kept in order here: a cache directory's store, or a node's copies of its
+    #: entries (the same fan-out tree, the same temp, lock and prune-lock names).
+    Tree = Store | NodeCopies
 
 __all__ = ["TEMP_MAX_AGE", "PruneResult", "clear", "orphans", "prune", "sweep", "verify"]
 
@@ -46,7 +53,7 @@ class PruneResult:
     remaining: int = 0
 
 
-def orphans(store: Store, *, remove_locks: bool = False) -> tuple[list[Path], list[Path]]:
+def orphans(store: Tree, *, remove_locks: bool = False) -> tuple[list[Path], list[Path]]:
     """Temp files whose writer is gone (or too old), directories under a temp name (moved
     aside from an entry's place: no writer's), and lock files nobody holds; with
     ``remove_locks``, those lock files are removed as they are found."""
@@ -87,7 +94,7 @@ def verify(store: Store, *, fix: bool = False) -> list[tuple[StoredEntry, str]]:
     return bad
 
 
-def prune(store: Store, *, max_size: int | None = None, older_than: float | None = None) -> PruneResult:
+def prune(store: Tree, *, max_size: int | None = None, older_than: float | None = None) -> PruneResult:
     """Evict least recently used entries until the total is at most ``max_size`` bytes,
     and every entry unused for ``older_than`` seconds.
 
@@ -142,7 +149,7 @@ def clear(store: Store) -> int:
     return n
 
 
-def sweep(store: Store) -> int:
+def sweep(store: Tree) -> int:
     """Remove orphaned temp and lock files; returns how many. Safe to run anytime."""
     if store.read_only:
         return 0

@@ -7,7 +7,7 @@ Layout, in node-local storage (``ASYNCCLCACHE_NODE_DIR``, else ``$TMPDIR``, else
     <node dir>/asyncclcache-<uid>/[node-<name>/]<digest of the shared root>/
         <key[:2]>/<key>-<stamp>.copy    the shared entry whose file had <stamp>
         <key[:2]>/<key>.lock            held by the rank that copies it now
-        copies.lock                     held by the one process that prunes
+        prune.lock                      held by the one process that prunes
 
 A lookup ``lstat``\\ s the shared entry (a metadata call, no open) and reads the copy
 named by that file's stamp (device, inode, size, modification time): a shared entry that
@@ -20,10 +20,11 @@ stopped or slow rank never holds up another for more than the read it would save
 
 Copies are scratch, written without ``fsync`` (a torn one fails its checksum and is
 dropped); they outlive the job, so the next job on the node reads nothing from the shared
-directory, and are pruned to ``ASYNCCLCACHE_NODE_MAX_SIZE`` (least recently used first) by
-one process at exit. A node-local directory that cannot be used (not writable, full,
-another user's) warns once (:class:`~.errors.NodeDirWarning`) and the process reads the
-shared directory itself from then on.
+directory, and are kept in order at exit as the shared directory is (:mod:`.maintenance`:
+pruned to ``ASYNCCLCACHE_NODE_MAX_SIZE``, least recently used first, by one process at a
+time; the temp and lock files of killed copiers swept). A node-local directory that cannot
+be used (not writable, full, another user's) warns once (:class:`~.errors.NodeDirWarning`)
+and the process reads the shared directory itself from then on.
 
 Thread- and process-safe: ranks of one job, and jobs of one user on one node, share it.
 """
@@ -40,12 +41,22 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import NodeDirWarning
-from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, TEMP_SUFFIX, atomic_write, insecure, make_private_dir
-from .locks import LOCK_SUFFIX, Claim, file_lock, take
+from .fileio import (
+    CLOEXEC,
+    NOFOLLOW,
+    NONBLOCK,
+    StoredEntry,
+    atomic_write,
+    fanout_files,
+    insecure,
+    listed,
+    make_private_dir,
+)
+from .locks import LOCK_SUFFIX, Claim, take
 
 #: A shared entry file's identity (:data:`.store.Stamp`).
 Stamp = tuple[int, ...]
@@ -56,8 +67,6 @@ logger = logging.getLogger(__name__)
 
 #: Default bound of one shared directory's copies on a node (``ASYNCCLCACHE_NODE_MAX_SIZE``).
 DEFAULT_MAX_BYTES = 2 << 30
-#: Names in the node-local directory (the shared directory's are :mod:`.store`'s).
-PRUNE_LOCK = "copies.lock"
 #: A rank that finds another copying an entry waits for that copy at most twice as long as its
 #: own reads of the shared directory took (the first: :data:`FIRST_WAIT`), within these bounds
 #: (seconds), then reads the shared entry itself: never longer than the read it saves, so a
@@ -69,6 +78,8 @@ WAIT_POLL = 0.0005
 #: Seconds between two marks of a shared entry as used by a node whose ranks read its copy.
 MARK_EVERY = 3600.0
 MAX_SERVED = 100_000
+#: The name of a copy in the node-local directory (its locks, temp files and prune lock are
+#: named as in the shared directory).
 COPY_SUFFIX = ".copy"
 
 
@@ -102,8 +113,11 @@ class NodeCopies:
         self.base = base
         self.root = base / hashlib.sha256(str(shared_root).encode()).hexdigest()[:16]
         self.count = count if count is not None else (lambda name: None)
+        #: The bound of these copies (``None``: none), kept by :func:`.maintenance.prune` at exit.
         self.max_bytes = max_bytes
         self.problem: str | None = None
+        #: Copies are written here whenever it is usable (for :mod:`.maintenance`).
+        self.read_only = False
         self._lock = threading.Lock()
         self._budget = FIRST_WAIT
         #: Keys this process read from a copy, and the copy's path.
@@ -121,6 +135,14 @@ class NodeCopies:
     def enabled(self) -> bool:
         """False once the node-local directory failed: the shared directory serves."""
         return self.problem is None
+
+    def files(self) -> Iterator[tuple[Path, str]]:
+        """``(path, name)`` of every file in the fan-out directories (copies, locks, temps)."""
+        return fanout_files(self.root) if self.enabled else iter(())
+
+    def entries(self) -> Iterator[StoredEntry]:
+        """Every copy, unvalidated (``key``: its name less the suffix)."""
+        return listed(self.root, COPY_SUFFIX) if self.enabled else iter(())
 
     def _give_up(self, e: OSError | str) -> None:
         why = e if isinstance(e, str) else (str(e) if e.strerror is None else f"{e.strerror} ({e.filename})")
@@ -269,41 +291,3 @@ class NodeCopies:
                         os.unlink(target.parent / name)
 
     # }}}
-
-    def prune(self) -> int:
-        """Remove the least recently used copies beyond the bound; what one process at a
-        time does (the others skip, never wait). Returns how many were removed."""
-        if not self.enabled or self.max_bytes is None:
-            return 0
-        lock = file_lock(self.root / PRUNE_LOCK, 0)
-        try:
-            lock.acquire()
-        except Exception:  # noqa: BLE001 - held by another process (a Timeout), or gone
-            return 0
-        try:
-            copies = []
-            with contextlib.suppress(OSError):
-                for fan in os.scandir(self.root):
-                    if not fan.is_dir(follow_symlinks=False):
-                        continue
-                    for f in os.scandir(fan.path):
-                        if f.name.endswith(COPY_SUFFIX) and f.is_file(follow_symlinks=False):
-                            st = f.stat(follow_symlinks=False)
-                            copies.append((max(st.st_atime, st.st_mtime), st.st_size, f.path))
-                        elif f.name.endswith(TEMP_SUFFIX):
-                            st = f.stat(follow_symlinks=False)
-                            if time.time() - st.st_mtime > 3600:  # a writer killed mid-copy
-                                with contextlib.suppress(OSError):
-                                    os.unlink(f.path)
-            total = sum(size for _, size, _ in copies)
-            removed = 0
-            for _, size, path in sorted(copies):
-                if total <= self.max_bytes:
-                    break
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                    total -= size
-                    removed += 1
-            return removed
-        finally:
-            lock.release()

@@ -52,8 +52,12 @@ from .fileio import (
     TEMP_PREFIX,
     TEMP_SUFFIX,
     InsecurePathError,
+    StoredEntry,
     atomic_write,
+    fanout_dirs,
+    fanout_files,
     insecure,
+    listed,
     make_private_dir,
     nofollow_opener,
     temp_prefix,
@@ -151,17 +155,6 @@ class PublishResult(enum.Enum):
     WRITTEN = "written"
     SKIPPED = "skipped"  # another writer holds the key's lock
     DISABLED = "disabled"  # the store is not usable
-
-
-@dataclass(frozen=True)
-class StoredEntry:
-    """An entry file as listed on disk (no validation)."""
-
-    key: str
-    path: Path
-    size: int
-    mtime: float
-    atime: float
 
 
 class Store:
@@ -381,26 +374,31 @@ class Store:
             return ReadResult(path)  # a miss, and nothing opened
         except OSError:
             st = None
-        if st is not None and stat.S_ISREG(st.st_mode) and insecure(st) is None:
-            data = node.copy(key, stamp_of(st))
-            if data is not None:
-                try:
-                    entry = check_data(key, data)
-                except EntryFormatError as e:
-                    node.drop(key, stamp_of(st), str(e))
-                else:
-                    node.count("node_reads")
-                    return ReadResult(path, entry=entry, stat=st, data=data)
+        usable = st is not None and stat.S_ISREG(st.st_mode) and insecure(st) is None
+
+        def from_copy(data: bytes | None) -> ReadResult | None:
+            # The copy of the shared file ``st`` names, checked as the shared entry is.
+            if data is None or st is None:
+                return None
+            try:
+                entry = check_data(key, data)
+            except EntryFormatError as e:
+                node.drop(key, stamp_of(st), str(e))
+                return None
+            node.count("node_reads")
+            return ReadResult(path, entry=entry, stat=st, data=data)
+
+        near = from_copy(node.copy(key, stamp_of(st))) if usable and st is not None else None
+        if near is not None:
+            return near
         claim = node.claim(key)
-        if claim is None and st is not None and stat.S_ISREG(st.st_mode):
+        if claim is None and usable and st is not None:
             # Another rank of the node is copying it: its copy, if it comes within the time
             # a read of our own would take.
             data, claim = node.wait_for(key, stamp_of(st))
-            if data is not None:
-                with contextlib.suppress(EntryFormatError):
-                    entry = check_data(key, data)
-                    node.count("node_reads")
-                    return ReadResult(path, entry=entry, stat=st, data=data)
+            near = from_copy(data)
+            if near is not None:
+                return near
         try:
             t0 = time.monotonic()
             r = self.read(key)  # and what is wrong with the file, as without copies
@@ -537,38 +535,15 @@ class Store:
 
     def fanout_dirs(self) -> Iterator[Path]:
         """The ``XX/`` directories (not links) of the entries."""
-        if not self.enabled:
-            return
-        try:
-            names = sorted(os.listdir(self.root))
-        except OSError:
-            return
-        for name in names:
-            if len(name) == 2 and all(c in "0123456789abcdef" for c in name):
-                p = self.root / name
-                if p.is_dir() and not p.is_symlink():
-                    yield p
+        return fanout_dirs(self.root) if self.enabled else iter(())
 
     def files(self) -> Iterator[tuple[Path, str]]:
         """``(path, name)`` of every file in the fan-out directories (entries, locks, temps)."""
-        for d in self.fanout_dirs():
-            try:
-                names = os.listdir(d)
-            except OSError:
-                continue  # removed meanwhile
-            for name in names:
-                yield d / name, name
+        return fanout_files(self.root) if self.enabled else iter(())
 
     def entries(self) -> Iterator[StoredEntry]:
         """Every entry file, unvalidated. Safe while others write (files may vanish)."""
-        for p, name in self.files():
-            if not name.endswith(ENTRY_SUFFIX) or name.startswith("."):
-                continue
-            try:
-                st = os.lstat(p)
-            except OSError:
-                continue
-            yield StoredEntry(name[: -len(ENTRY_SUFFIX)], p, st.st_size, st.st_mtime, st.st_atime)
+        return listed(self.root, ENTRY_SUFFIX) if self.enabled else iter(())
 
     def touch(self, key: str) -> None:
         """Mark ``key`` as just used (its atime), without rewriting it; for an entry read
