@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import report
+
 MODES = ["acc-ranklocal", "acc-shared", "acc"]
 #: What each mode is, for the report.
 LEGEND = {
@@ -65,20 +67,14 @@ def measure_nodes(runner: Any, ranks: list[int], modes: list[str], log: Callable
     res: dict[str, Any] = {"programs": PROGRAMS, "counted_by": "strace" if strace else "counters",
                            "reps": reps, "rows": {}}
 
-    def job(mode: str, R: int, acc_dir: str, node_dir: str, *, trace: str | None = None,
-            rank_of: Callable[[int], int] = lambda r: r, size: int | None = None) -> list[dict[str, Any]]:
-        N = nodes_for(size or R, per_node)
+    def job(mode: str, R: int, acc_dir: str, node_dir: str, *, trace: str | None = None) -> list[dict[str, Any]]:
+        N = nodes_for(R, per_node)
         start_at = time.time() + 1.5 + 0.25 * R
         specs = []
         for r in range(R):
-            rank = rank_of(r)
-            extra = {"PMI_RANK": str(rank), "PMI_SIZE": str(size or R), "POCL_MAX_PTHREAD_COUNT": "1",
-                     "ASYNCCLCACHE_TEST_NODE": f"sim{rank * N // (size or R)}",
-                     "ASYNCCLCACHE_NODE_DIR": node_dir}
-            if mode == "acc-ranklocal":
-                extra["ASYNCCLCACHE_RANK_LOCAL"] = "1"
-            if mode == "acc-shared":
-                extra["ASYNCCLCACHE_NODE_COPIES"] = "0"
+            # The mode's own settings (rank-local, copies off) are the runner's, as elsewhere.
+            extra = {"PMI_RANK": str(r), "PMI_SIZE": str(R), "POCL_MAX_PTHREAD_COUNT": "1",
+                     "ASYNCCLCACHE_TEST_NODE": f"sim{r * N // R}", "ASYNCCLCACHE_NODE_DIR": node_dir}
             spec: dict[str, Any] = {
                 "task": "first_result", "variant": mode, "workload": "throughput",
                 "workload_args": {"programs": PROGRAMS}, "start_at": start_at, "acc_dir": acc_dir,
@@ -145,11 +141,8 @@ def measure_nodes(runner: Any, ranks: list[int], modes: list[str], log: Callable
 
 
 def _median(xs: list[float | None]) -> float | None:
-    ok = sorted(x for x in xs if x is not None)
-    if len(ok) != len(xs) or not ok:
-        return None
-    mid = len(ok) // 2
-    return ok[mid] if len(ok) % 2 else 0.5 * (ok[mid - 1] + ok[mid])
+    # None where a rank gave no result: a job's median is of all its ranks or none.
+    return None if None in xs else report.median(xs)
 
 
 def _fmt(x: float | None) -> str:
