@@ -11,8 +11,9 @@ import os
 import socket
 import sys
 from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["NODE_ENV_VARS", "RANK_ENV_VARS", "TEST_NODE_ENV", "detect_node", "detect_rank"]
+__all__ = ["NODE_ENV_VARS", "RANK_ENV_VARS", "TEST_NODE_ENV", "detect_node", "detect_rank", "initialized_mpi"]
 
 #: Launcher variables, most specific first.
 RANK_ENV_VARS = (
@@ -33,8 +34,9 @@ TEST_NODE_ENV = "ASYNCCLCACHE_TEST_NODE"
 _Env = Mapping[str, str]
 
 
-def _initialized_mpi() -> object | None:
-    # Only look if the user already imported mpi4py: importing it ourselves would init MPI.
+def initialized_mpi() -> Any:
+    """``mpi4py.MPI`` where the program imported and initialized it (and has not finalized
+    it), else ``None``; never imports it (that would initialize MPI). Thread-safe."""
     mod = sys.modules.get("mpi4py.MPI")
     if mod is None:
         return None
@@ -47,9 +49,9 @@ def _initialized_mpi() -> object | None:
 
 
 def _mpi4py_rank() -> int | None:
-    mod = _initialized_mpi()
+    mod = initialized_mpi()
     try:
-        return None if mod is None else int(mod.COMM_WORLD.Get_rank())  # type: ignore[attr-defined]
+        return None if mod is None else int(mod.COMM_WORLD.Get_rank())
     except Exception:  # noqa: BLE001
         return None
 
@@ -82,10 +84,10 @@ def detect_node(env: _Env | None = None) -> str:
         value = (e.get(var) or "").strip()
         if value:
             return value
-    mod = _initialized_mpi()
+    mod = initialized_mpi()
     if mod is not None:
         try:
-            name = str(mod.Get_processor_name()).strip()  # type: ignore[attr-defined]
+            name = str(mod.Get_processor_name()).strip()
         except Exception:  # noqa: BLE001
             name = ""
         if name:

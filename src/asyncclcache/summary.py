@@ -132,15 +132,14 @@ def per_node(reads: dict[str, int]) -> str:
 
 
 def _mpi() -> Any:
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None:
-        return None
+    # A job of several ranks whose program uses mpi4py: its ranks can report to rank 0.
+    from .ranks import initialized_mpi
+
+    mpi = initialized_mpi()
     try:
-        if not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() < 2:
-            return None
+        return mpi if mpi is not None and mpi.COMM_WORLD.Get_size() >= 2 else None
     except Exception:  # noqa: BLE001
         return None
-    return mpi
 
 
 def _job_line(mpi: Any, stats: Any, dirs: list[str]) -> None:
