@@ -80,9 +80,12 @@ class PartsDriver(Driver):
 
     # {{{ the cache's hooks, forwarded to every part
 
+    _on_cpu: Callable[[float], None] | None = None
+    _on_count: Callable[[str, float], None] | None = None
+
     @property  # type: ignore[override]
     def on_cpu(self) -> Callable[[float], None] | None:
-        return self._on_cpu if hasattr(self, "_on_cpu") else None
+        return self._on_cpu
 
     @on_cpu.setter
     def on_cpu(self, f: Callable[[float], None] | None) -> None:
@@ -92,7 +95,7 @@ class PartsDriver(Driver):
 
     @property  # type: ignore[override]
     def on_count(self) -> Callable[[str, float], None] | None:
-        return self._on_count if hasattr(self, "_on_count") else None
+        return self._on_count
 
     @on_count.setter
     def on_count(self, f: Callable[[str, float], None] | None) -> None:
