@@ -374,28 +374,30 @@ class Store:
             return ReadResult(path)  # a miss, and nothing opened
         except OSError:
             st = None
+        # The shared file's identity names its copy (a link, another user's file: no copy).
         usable = st is not None and stat.S_ISREG(st.st_mode) and insecure(st) is None
+        stamp = stamp_of(st) if st is not None and usable else None
 
         def from_copy(data: bytes | None) -> ReadResult | None:
-            # The copy of the shared file ``st`` names, checked as the shared entry is.
-            if data is None or st is None:
+            # The copy, checked as the shared entry is.
+            if data is None or stamp is None:
                 return None
             try:
                 entry = check_data(key, data)
             except EntryFormatError as e:
-                node.drop(key, stamp_of(st), str(e))
+                node.drop(key, stamp, str(e))
                 return None
             node.count("node_reads")
             return ReadResult(path, entry=entry, stat=st, data=data)
 
-        near = from_copy(node.copy(key, stamp_of(st))) if usable and st is not None else None
+        near = None if stamp is None else from_copy(node.copy(key, stamp))
         if near is not None:
             return near
         claim = node.claim(key)
-        if claim is None and usable and st is not None:
+        if claim is None and stamp is not None:
             # Another rank of the node is copying it: its copy, if it comes within the time
             # a read of our own would take.
-            data, claim = node.wait_for(key, stamp_of(st))
+            data, claim = node.wait_for(key, stamp)
             near = from_copy(data)
             if near is not None:
                 return near
