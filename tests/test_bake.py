@@ -327,20 +327,28 @@ def test_bake_skips_an_entry_whose_headers_resolve_otherwise_in_its_folder(
 
 
 @pytest.mark.parametrize("what", ["gone", "a file"])
-def test_bake_skips_an_entry_whose_folder_is_gone(
+def test_bake_of_an_entry_whose_folder_is_gone_bakes_what_finds_no_header_there(
     cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str,
 ) -> None:
+    # Issue 33, case 6: a CI checkout or a node's scratch removed after the job. A program
+    # with no include builds the same anywhere: baked. One whose header was in that folder
+    # is skipped, saying why.
     prog = tmp_path / "prog"
     prog.mkdir()
     monkeypatch.chdir(prog)
     _run(cache_dir, tmp_path / "cold", n=1)
+    (prog / "params.h").write_text("#define V 7\n")
+    header = child_json(run_child(HEADER_RUN, str(cache_dir), pocl_cache=tmp_path / "cold-h"))
+    assert (header["value"], header["writes"]) == (7, 1), header
     monkeypatch.chdir(tmp_path)
-    prog.rmdir()
+    shutil.rmtree(prog)
     if what == "a file":
         prog.write_text("")
     result = _bake_in(cache_dir, tmp_path)
     why = "the folder it was built in is gone" if what == "gone" else "the folder it was built in is not a folder"
-    assert result["baked"] == 0 and result["skipped"] == {why: 1}, result
+    assert result["baked"] == 1 and result["skipped"] == {f"{why}; a header it includes is gone": 1}, result
+    warm = _run(cache_dir, tmp_path / "warm", n=1)  # on a new node, in another folder
+    assert (warm["ok"], warm["hits"], warm["baked_hits"]) == (True, 1, 1), warm
 
 
 @pytest.mark.parametrize("cwd", ["relative/folder", ""])
@@ -491,5 +499,47 @@ def test_the_idle_baker_and_bakes_workers_never_import_from_the_working_folder(
     assert sorted(p.name for p in marks.iterdir()) == []
     data = json.loads(result.stdout)
     assert data["baked"] >= 2 and not data["failed"], (data, result.stderr)
+
+# }}}
+
+
+# {{{ issue 33, cases 7 and 8: a relative cache directory, and a program that changes folder
+
+RELATIVE = r"""
+import json, os, sys, time
+import asyncclcache as acc
+from kernels import small_source, run_twice
+from _pocl import pocl_context
+from asyncclcache.store import Store
+ctx = pocl_context()
+cache = acc.Cache()  # ASYNCCLCACHE_DIR, relative to the folder it started in
+ok = all(run_twice(ctx, acc.Program(ctx, small_source(f"twice{i}", salt="relative"), cache=cache).build(),
+                   f"twice{i}") for i in range(2))
+os.makedirs("out"); os.chdir("out")  # its output folder, after the first launches
+flushed = cache.flush(60)
+store = Store(sys.argv[1], rank_local=False, create=False)
+baked = lambda: sum(1 for e in store.entries() if (m := store.read_meta(e.path)) and m.baked_from)
+deadline = time.monotonic() + 90
+while baked() < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+cache.close()
+print(json.dumps({"ok": ok, "flushed": flushed, "baked": baked(), "directory": cache.directory,
+                  **cache.stats().as_dict()}))
+"""
+
+
+def test_a_relative_cache_directory_survives_a_chdir_and_the_idle_baker_finds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    try:
+        out = child_json(run_child(EAGER + RELATIVE, str(tmp_path / "acc"), pocl_cache=tmp_path / "p",
+                                   env={"ASYNCCLCACHE_DIR": "acc", "ASYNCCLCACHE_BAKE": "idle"}))
+    finally:
+        _kill_left(str(tmp_path / "acc"))
+    assert out["ok"] and out["flushed"] and out["directory"].startswith(str(tmp_path / "acc")), out
+    assert (out["writes"], out["write_errors"]) == (2, 0), out
+    assert out["baked"] == 2, out  # the baker starts in "/": it was given the absolute folder
+    assert not (tmp_path / "out" / "acc").exists()
 
 # }}}

@@ -199,3 +199,113 @@ given.close(); env.close()
     env = {"ASYNCCLCACHE_STRATEGY": "thread", "ASYNCCLCACHE_WORKERS": "3"}
     assert child_json(run_child(code, str(tmp_path), env=env)) == ["auto", 1, "thread", 3]
     assert child_json(run_child(code, str(tmp_path))) == ["auto", 1, "auto", 1]
+
+
+# {{{ issue 33, cases 5 and 7: path settings are expanded and made absolute once; a bad one
+# is named (exit 2 from the command, a warning and no caching from install())
+
+PATH_SETTINGS = ("ASYNCCLCACHE_DIR", "ASYNCCLCACHE_NODE_DIR")
+NO_USER = "~nosuchuser-acc33/x"
+
+
+@pytest.mark.parametrize("var", PATH_SETTINGS)
+def test_path_settings_are_expanded_and_made_absolute(var: str, tmp_path: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    field = {"ASYNCCLCACHE_DIR": "directory", "ASYNCCLCACHE_NODE_DIR": "node_dir"}[var]
+    assert getattr(Config.from_env({var: "acc"}), field) == os.path.join(str(tmp_path), "acc")
+    assert getattr(Config.from_env({var: "~/acc"}), field) == str(tmp_path / "home" / "acc")
+    assert getattr(Config.from_env({var: "/abs/acc"}), field) == "/abs/acc"
+
+
+@pytest.mark.parametrize("var", PATH_SETTINGS)
+@pytest.mark.parametrize("value", [NO_USER, "~/x"], ids=["no-such-user", "empty-HOME"])
+def test_a_path_setting_that_cannot_be_expanded_is_named(var: str, value: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", "")  # "" is no home: never "/x"
+    with pytest.raises(ValueError, match=f"{var}: cannot expand") as info:
+        Config.from_env({var: value})
+    assert repr(value) in str(info.value)
+
+
+def test_a_relative_cache_directory_is_made_absolute_once(tmp_path: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import asyncclcache as acc
+
+    monkeypatch.chdir(tmp_path)
+    cache = acc.Cache("acc")
+    try:
+        (tmp_path / "out").mkdir()
+        os.chdir(tmp_path / "out")  # what a program does after its first launch
+        assert cache.directory.startswith(str(tmp_path / "acc"))
+        assert cache.store.path_for("ab" * 32).is_absolute()
+    finally:
+        cache.close()
+    with pytest.raises(ValueError, match="cannot expand"):
+        acc.Cache(NO_USER)
+
+
+def _cli(*args: str, env: dict[str, str]) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "asyncclcache", *args], capture_output=True, text=True,
+                          env=dict(os.environ, **env), timeout=120, check=False)
+
+
+@pytest.mark.parametrize("var", PATH_SETTINGS)
+@pytest.mark.parametrize("command", ["info", "list", "run", "run --"])
+def test_a_bad_path_setting_is_a_one_line_usage_error(var: str, command: str, tmp_path: Any) -> None:
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text("print('ran')\n")
+    args = {"info": ["info"], "list": ["list"], "run": ["run", str(script)],
+            "run --": ["run", "--", sys.executable, str(script)]}[command]
+    r = _cli(*args, env={var: NO_USER})
+    assert r.returncode == 2 and "ran" not in r.stdout, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and var in r.stderr and NO_USER in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 or command.startswith("run"), r.stderr
+
+
+@pytest.mark.parametrize("command", ["info", "list", "run"])
+def test_a_bad_dir_option_is_a_one_line_usage_error(command: str, tmp_path: Any) -> None:
+    r = _cli(command, "--dir", NO_USER, *([str(tmp_path / "driver.py")] if command == "run" else []), env={})
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--dir" in r.stderr, r.stderr
+    assert NO_USER in r.stderr
+
+
+def test_install_with_a_bad_setting_warns_and_builds_uncached(tmp_path: Any) -> None:
+    code = r"""
+import json, warnings
+import asyncclcache as acc
+from _pocl import pocl_context
+from kernels import small_source, run_twice
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    installed = acc.install()
+    ctx = pocl_context()
+    prg = acc.Program(ctx, small_source(salt="bad setting")).build()  # no cache=: the default's
+    ok = run_twice(ctx, prg)
+print(json.dumps({"installed": installed, "ok": ok, "is_installed": acc.is_installed(),
+                  "warnings": [(w.category.__name__, str(w.message)) for w in seen]}))
+"""
+    out = child_json(run_child(code, env={"ASYNCCLCACHE_DIR": NO_USER}))
+    assert (out["installed"], out["is_installed"], out["ok"]) == (False, False, True), out
+    assert [c for c, _ in out["warnings"]] == ["SettingWarning"], out  # once a process
+    assert "ASYNCCLCACHE_DIR" in out["warnings"][0][1] and NO_USER in out["warnings"][0][1]
+
+
+def test_activation_with_a_bad_setting_says_so_and_the_program_runs() -> None:
+    code = "import pyopencl, asyncclcache as acc; print(acc.is_installed())"
+    proc = run_child(code, env={"ASYNCCLCACHE_INSTALL": "1", "ASYNCCLCACHE_DIR": NO_USER})
+    assert proc.stdout.split() == ["False"] and "ASYNCCLCACHE_DIR" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+# }}}

@@ -254,7 +254,7 @@ def test_a_rank_killed_while_copying_leaves_no_copy_and_no_claim(rank, tmp_path)
     assert a1.load(key, IDENT).binaries == (b"payload" * 1000,)
     assert c1 == {"shared_reads": 1}  # the dead rank's claim went with it
     # The dead copier's temp (and lock) file go with the next sweep, as in the shared directory.
-    assert maintenance.sweep(a1.node) >= 1
+    assert maintenance.sweep(a1.node.storage) >= 1
     assert not [p for p in a1.node.root.rglob("*") if p.is_file() and p.name.endswith(".partial")]
     a2, c2 = rank(3, "a")
     assert a2.load(key, IDENT) is not None and c2 == {"node_reads": 1}
@@ -311,9 +311,128 @@ def test_copies_are_pruned_to_their_bound_least_recently_used_first(tmp_path) ->
         node.put(key_of(f"c{i}"), (1, i, 10_000, i), b"x" * 10_000)
         os.utime(node._copy_path(key_of(f"c{i}"), (1, i, 10_000, i)), (1000 + i, 1000 + i))
     node.copy(key_of("c0"), (1, 0, 10_000, 0))  # used now: kept
-    assert maintenance.prune(node, max_size=node.max_bytes).removed == 2
+    assert maintenance.prune(node.storage, max_size=node.max_bytes).removed == 2
     left = sorted(p.name.split("-")[0] for p in node.root.rglob(f"*{COPY_SUFFIX}"))
     assert left == sorted([key_of("c0"), key_of("c3")])
+
+
+# {{{ issue 33, cases 1-4: node copies that cannot be used, the node's bound, import, a parent folder
+
+
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every wait of a lookup for another rank's copy (:meth:`NodeCopies.wait_for`)."""
+    seen: list[str] = []
+    real = NodeCopies.wait_for
+
+    def counted(self: NodeCopies, key: str, stamp: Any) -> Any:
+        seen.append(key)
+        return real(self, key, stamp)
+
+    monkeypatch.setattr(NodeCopies, "wait_for", counted)
+    return seen
+
+
+@pytest.mark.parametrize("how", ["a file", "another user's link", "another user's folder", "full"])
+def test_a_process_that_cannot_use_its_node_folder_never_waits_for_copies(
+    rank, tmp_path, tmpfs, monkeypatch, waits, how,
+) -> None:
+    keys = [key_of(f"unusable {how} {i}") for i in range(3)]
+    writer, _ = rank(0, "w", node_copies=False)
+    for k in keys:
+        writer.publish(make_entry(k, os.urandom(40_000)))
+    parent = tmp_path / "scratch"
+    parent.mkdir()
+    os.chmod(parent, 0o1777)  # as /tmp: others may make things in it
+    top = parent / f"asyncclcache-{os.getuid()}"
+    if how == "a file":
+        parent = tmp_path / "a file"
+        parent.write_text("not a directory")
+    elif how == "another user's link":
+        (tmp_path / "theirs").mkdir(mode=0o700)
+        top.symlink_to(tmp_path / "theirs")
+    elif how == "another user's folder":
+        if os.getuid() != 0:
+            pytest.skip("making a folder of another user needs root")
+        top.mkdir(mode=0o700)
+        os.chown(top, 65534, 65534)
+    else:  # full: the first copy fails, the folder is given up then
+        parent = tmpfs("mode=1777,size=64k")
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(parent))
+    with pytest.warns(NodeDirWarning) as record:
+        a1, c1 = rank(1, "a")
+        got = [a1.load(k, IDENT) for _ in range(3) for k in keys]
+    assert all(e is not None for e in got) and len(record) == 1, record
+    assert c1.get("shared_reads") == 9
+    # The first lookup of the full folder found no copy and nobody copying (its own claim):
+    # nothing else waited; no lookup waits for a copy that cannot come.
+    assert waits == [], waits
+    if how == "another user's link":
+        assert not list((tmp_path / "theirs").iterdir())  # nothing written through it
+
+
+def test_the_node_bound_covers_every_copy_on_the_node(tmp_path, monkeypatch) -> None:
+    import asyncclcache as acc
+
+    node_dir = tmp_path / "node"
+    # Copies of a cache directory that was removed since, and of another one still there.
+    for gone in ("removed", "other"):
+        old = NodeCopies(tmp_path / gone, node_base(str(node_dir)))
+        for i in range(5):
+            old.put(key_of(f"{gone} {i}"), (1, i, 30_000, i), os.urandom(30_000))
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(node_dir))
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_COPIES", "1")
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_MAX_SIZE", "1K")
+    get_config.cache_clear()
+    try:
+        cache = acc.Cache(tmp_path / "current")
+        assert cache.store.node is not None and cache.store.node.enabled
+        cache.close()
+    finally:
+        monkeypatch.undo()
+        get_config.cache_clear()
+    left = [p for p in node_dir.rglob("*") if p.is_file() and p.name.endswith(COPY_SUFFIX)]
+    assert sum(p.stat().st_size for p in left) <= 1024, left
+
+
+def test_import_makes_no_node_copies(tmp_path) -> None:
+    src = Store(tmp_path / "src", rank_local=False, node_copies=False)
+    for i in range(4):
+        src.publish(make_entry(key_of(f"imported {i}"), os.urandom(30_000)))
+    archive = tmp_path / "cache.tar"
+    env = dict(os.environ, ASYNCCLCACHE_NODE_DIR=str(tmp_path / "node"), SLURM_PROCID="0", SLURM_NTASKS="1",
+               ASYNCCLCACHE_NODE_COPIES="1", ASYNCCLCACHE_NODE_MAX_SIZE="1K")
+    for args in (["export", "--dir", str(tmp_path / "src"), str(archive)],
+                 ["import", "--dir", str(tmp_path / "dst"), str(archive)]):
+        r = subprocess.run([sys.executable, "-m", "asyncclcache", *args], capture_output=True, text=True,
+                           env=env, timeout=120, check=False)
+        assert r.returncode == 0, r.stderr
+    assert len(list(Store(tmp_path / "dst", rank_local=False, node_copies=False).entries())) == 4
+    assert not [p for p in (tmp_path / "node").rglob("*") if p.is_file()]
+
+
+def test_a_parent_folder_such_as_tmp_gets_a_folder_of_ours(rank, tmp_path, monkeypatch) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)  # as /tmp or /local/scratch
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(scratch))
+    key = key_of("in /tmp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        writer, _ = rank(0, "a")
+        writer.publish(make_entry(key, b"payload"))
+        a1, c1 = rank(1, "a")
+        assert a1.load(key, IDENT).binaries == (b"payload",)
+    assert c1 == {"node_reads": 1}
+    top = scratch / f"asyncclcache-{os.getuid()}"
+    assert a1.node.root.is_relative_to(top) and oct(top.stat().st_mode & 0o777) == "0o700"
+    assert node_base(str(scratch)).top == top and node_base().top.name == top.name
+    # A folder given that does not exist yet is made, with ours in it.
+    monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(tmp_path / "new" / "place"))
+    b, _ = rank(2, "b")
+    assert b.node.enabled and b.node.root.is_relative_to(tmp_path / "new" / "place" / top.name)
+
+# }}}
 
 
 def test_node_identity_order(monkeypatch) -> None:

@@ -28,6 +28,7 @@ from .errors import (
     InsecureCacheWarning,
     NodeDirWarning,
     RemovedStrategyWarning,
+    SettingWarning,
     WriteFailedWarning,
 )
 
@@ -78,6 +79,7 @@ __all__ = [
     "NodeDirWarning",
     "Program",
     "RemovedStrategyWarning",
+    "SettingWarning",
     "Stats",
     "Step",
     "WriteFailedWarning",

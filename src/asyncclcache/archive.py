@@ -185,7 +185,9 @@ def _target(base: str | os.PathLike[str], rank: int | None) -> Store:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # said below, as an error
-        store = Store(base, rank_local=rank is not None, rank=rank)
+        # No node copies: an import reads nothing back (inside a Slurm step it would copy
+        # every entry into the node's storage).
+        store = Store(base, rank_local=rank is not None, rank=rank, node_copies=False)
     if not store.writable:
         raise ArchiveError(f"cannot write to {store.root}: {store.problem or 'read-only'}")
     return store

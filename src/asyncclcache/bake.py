@@ -36,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -184,6 +185,9 @@ class _Worker:
 
     def __init__(self, pocl_dir: Path) -> None:
         self.pocl_dir = pocl_dir
+        #: An empty folder of ours (removed with the parent's folder): where an entry whose
+        #: build folder is gone is built, relative paths finding nothing there either.
+        self.nowhere = Path(tempfile.mkdtemp(prefix="nowhere-", dir=pocl_dir.parent))
         self._devices = _Devices()
         # Each build runs in its entry's folder: a relative import path ("" of a parent
         # run as ``python -c``) must keep naming this process's own, never that one.
@@ -201,10 +205,11 @@ class _Worker:
         except LookupError:
             return "skipped", "its device is not here"
         try:
-            with _built_in(entry.meta.cwd):  # the store's paths are used outside only
-                why = self._same_key(entry, devices)
+            with _built_in(entry.meta.cwd, self.nowhere) as elsewhere:  # the store's paths: absolute
+                why = self._same_key(entry, devices, "built in its folder" if elsewhere is None
+                                     else "built in an empty folder")
                 if why is not None:
-                    return "skipped", why
+                    return "skipped", why if elsewhere is None else f"{elsewhere}; {why}"
                 binaries = self._build(entry, ctx, devices)
         except _Skipped as e:
             return "skipped", str(e)
@@ -212,10 +217,10 @@ class _Worker:
             return "failed", f"{type(e).__name__}: {e}"
         return self._publish(store, entry, binaries)
 
-    def _same_key(self, entry: Entry, devices: Sequence[Any]) -> str | None:
-        """Why this process, in the folder it builds in, would not compute ``entry``'s key
-        (a header changed or resolves to another file, another pyopencl or pocl
-        setting), or ``None``."""
+    def _same_key(self, entry: Entry, devices: Sequence[Any], where: str) -> str | None:
+        """Why this process, in the folder it builds in (``where`` says which), would not
+        compute ``entry``'s key (a header changed or resolves to another file, another
+        pyopencl or pocl setting), or ``None``."""
         from . import _pyopencl
         from .keys import UncertainIncludes, find_include_deps, key_of
 
@@ -238,9 +243,9 @@ class _Worker:
             deps = find_include_deps(source, _pyopencl.include_path(options),
                                      source_dir=None if folder is None else os.path.realpath(folder))
         except UncertainIncludes:
-            return "built in its folder, a header it includes is not found for certain"
+            return f"{where}, a header it includes is not found for certain"
         if [[d.path, d.sha256] for d in deps] != entry.meta.includes:
-            return "built in its folder, a header it includes is another file"
+            return f"{where}, a header it includes is another file"
         if key_of(devices, options, entry.meta.source_sha256, entry.meta.includes, kind="kcache") != entry.key:
             return ("built here it would have another key "
                     f"(pyopencl version or {pocl.SETTINGS.prefixes[0]}* settings)")
@@ -307,27 +312,34 @@ class _NotUsed(_Skipped):
 
 
 @contextlib.contextmanager
-def _built_in(folder: str | None) -> Iterator[None]:
+def _built_in(folder: str | None, nowhere: Path) -> Iterator[str | None]:
     """In ``folder``, the working directory of the entry's build (absolute: the entry's
     check), and back: its relative ``-I`` folders and quoted includes name files there.
-    ``None`` (unknown, an earlier release's entry): here, where the key check allows it."""
+    ``None`` (unknown, an earlier release's entry): here, where the key check allows it.
+    Where ``folder`` cannot be entered (gone with a CI checkout or a node's scratch, say),
+    in ``nowhere``, an empty folder: the key check then passes only for a program that
+    finds no header relative to its folder (none at all, or only by absolute paths), which
+    builds the same anywhere. Yields ``None``, or why it builds in ``nowhere``."""
     if folder is None:
-        yield
+        yield None
         return
     try:
         back: str | None = os.getcwd()
     except OSError:
         back = None  # this one is gone: the entries that name theirs are still baked
+    elsewhere = None
     try:
         os.chdir(folder)
     except FileNotFoundError:
-        raise _Skipped("the folder it was built in is gone") from None
+        elsewhere = "the folder it was built in is gone"
     except NotADirectoryError:
-        raise _Skipped("the folder it was built in is not a folder") from None
+        elsewhere = "the folder it was built in is not a folder"
     except OSError as e:
-        raise _Skipped(f"the folder it was built in cannot be entered: {e.strerror or e}") from None
+        elsewhere = f"the folder it was built in cannot be entered: {e.strerror or e}"
+    if elsewhere is not None:
+        os.chdir(nowhere)
     try:
-        yield
+        yield elsewhere
     finally:
         if back is not None:
             os.chdir(back)

@@ -332,10 +332,10 @@ class Cache:
         if self._baker is not None:
             self._baker.close()  # never waited for: what it has not baked stays kcache
         node = self.store.node
-        if node is not None:  # one process per node prunes; the others skip
-            maintenance.sweep(node)
+        if node is not None and node.enabled:  # every copy on the node; one process prunes
+            maintenance.sweep(node.storage)
             if node.max_bytes is not None:
-                maintenance.prune(node, max_size=node.max_bytes)
+                maintenance.prune(node.storage, max_size=node.max_bytes)
         pending = self._pipeline.pending
         if pending:
             logger.info("asyncclcache: exit with %d jobs pending: dropped", pending)

@@ -140,10 +140,14 @@ def _check_base(base: Path) -> Path:
 
 
 def _base(args: argparse.Namespace) -> Path:
-    from .config import get_config
+    from .config import absolute_path, get_config
     from .store import default_directory
 
-    return Path(args.dir or get_config().directory or default_directory()).expanduser()
+    try:
+        return Path(absolute_path(args.dir, "--dir") if args.dir else get_config().directory
+                    or default_directory())
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _listing(stores: list[Any], device: str | None = None) -> list[dict[str, Any]]:
@@ -241,7 +245,7 @@ def _node_copies(cfg: Any) -> dict[str, Any]:
     """Where ranks keep node-local copies of entries (docs/mpi.md), and when."""
     from .nodecopies import node_base
 
-    _, _, base = node_base(cfg.node_dir, cfg.test_node)
+    base = node_base(cfg.node_dir, cfg.test_node).base
     when = {None: "for ranks", True: "always", False: "off"}[cfg.node_copies]  # shown first: lines are cut
     return {"when": when, "directory": str(base), "max_size": cfg.node_max_size}
 

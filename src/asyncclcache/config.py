@@ -36,8 +36,8 @@ from .nodecopies import DEFAULT_MAX_BYTES
 from .ranks import TEST_NODE_ENV
 
 __all__ = [
-    "BAKE_MODES", "RETIRED_STRATEGIES", "STRATEGIES", "Config", "get_config", "parse_bool", "parse_size",
-    "strategy_in_use",
+    "BAKE_MODES", "RETIRED_STRATEGIES", "STRATEGIES", "Config", "absolute_path", "get_config", "parse_bool",
+    "parse_size", "strategy_in_use",
 ]
 
 STRATEGIES = ("auto", "kcache", "thread")
@@ -88,6 +88,28 @@ def parse_size(value: str | int | None) -> int | None:
     return n or None
 
 
+def absolute_path(value: str | os.PathLike[str], name: str) -> str:
+    """``value`` with ``~`` expanded and made absolute from the working directory now, once:
+    a later ``chdir`` of the program (or a helper started in ``/``) must not move the cache.
+    Raises ``ValueError`` naming the setting ``name`` where that cannot be done (``~user``
+    of no user, no home directory, the working directory gone, a NUL byte)."""
+    raw = os.fspath(value)
+    if "\0" in raw:
+        raise ValueError(f"{name}: {raw!r} holds a NUL byte")
+    path = os.path.expanduser(raw)
+    if (raw == "~" or raw.startswith("~" + os.sep)) and os.environ.get("HOME") == "":
+        path = raw  # "" is no home: expanduser would make "~/x" "/x"
+    if path.startswith("~"):  # os.path leaves what it cannot expand (pathlib raises RuntimeError)
+        who = path[1:].split(os.sep, 1)[0]
+        why = f"there is no user {who!r}" if who else "the home directory is not known (HOME)"
+        raise ValueError(f"{name}: cannot expand {raw!r}: {why}")
+    try:
+        return os.path.abspath(path)
+    except OSError as e:  # relative, and the working directory is gone
+        raise ValueError(f"{name}: {raw!r} is relative and the working directory is gone "
+                         f"({e.strerror or e})") from None
+
+
 @dataclass(frozen=True)
 class Config:
     """The environment's settings. Immutable; read once per process by :func:`get_config`."""
@@ -111,7 +133,8 @@ class Config:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str] | None = None) -> Config:
-        """Parse the environment. Bad values raise ``ValueError`` naming the variable."""
+        """Parse the environment. Bad values raise ``ValueError`` naming the variable. Paths
+        are expanded and made absolute here, once (:func:`absolute_path`)."""
         e = os.environ if env is None else env
         strategy = e.get("ASYNCCLCACHE_STRATEGY", "auto").strip().lower() or "auto"
         if strategy not in STRATEGIES and strategy not in RETIRED_STRATEGIES:  # retired: warned at use
@@ -137,9 +160,9 @@ class Config:
         except ValueError as err:
             raise ValueError(f"ASYNCCLCACHE_NODE_MAX_SIZE: {err}") from None
         return cls(
-            directory=e.get("ASYNCCLCACHE_DIR") or None,
+            directory=_path(e, "ASYNCCLCACHE_DIR"),
             node_copies=parse_bool(e.get("ASYNCCLCACHE_NODE_COPIES"), name="ASYNCCLCACHE_NODE_COPIES"),
-            node_dir=e.get("ASYNCCLCACHE_NODE_DIR") or None,
+            node_dir=_path(e, "ASYNCCLCACHE_NODE_DIR"),
             node_max_size=node_max_size,
             test_node=(e.get(TEST_NODE_ENV) or "").strip() or None,
             disable=bool(parse_bool(e.get("ASYNCCLCACHE_DISABLE"), name="ASYNCCLCACHE_DISABLE")),
@@ -155,6 +178,11 @@ class Config:
             stats=bool(parse_bool(e.get("ASYNCCLCACHE_STATS"), name="ASYNCCLCACHE_STATS")),
             bake=bake,
         )
+
+
+def _path(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name) or None  # empty: unset
+    return None if raw is None else absolute_path(raw, name)
 
 
 def _number(env: Mapping[str, str], name: str, default: str, kind: type[float], what: str) -> float:

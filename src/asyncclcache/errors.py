@@ -25,6 +25,7 @@ __all__ = [
     "InsecurePathError",
     "NodeDirWarning",
     "RemovedStrategyWarning",
+    "SettingWarning",
     "UsageError",
     "WriteFailedWarning",
 ]
@@ -86,6 +87,12 @@ class CorruptEntryWarning(AsyncCLCacheWarning):
 
 class BinaryRejectedWarning(AsyncCLCacheWarning):
     """The driver rejected a stored binary; the program was rebuilt from source."""
+
+
+class SettingWarning(AsyncCLCacheWarning):
+    """An ``ASYNCCLCACHE_*`` setting is bad (the message names it), or the default cache
+    directory is not known: ``install()`` and ``Program`` without ``cache=`` build plainly,
+    uncached. Once per process."""
 
 
 class RemovedStrategyWarning(AsyncCLCacheWarning):

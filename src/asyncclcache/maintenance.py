@@ -1,7 +1,7 @@
 """Keeping a cache directory in order: orphaned temp and lock files, full checks, the size
 bound, clearing. Used by the cache's writer thread (size bound, sweep), the command line
 (``verify``, ``prune``, ``clear``), and at exit for a node's copies of the entries
-(:class:`~.nodecopies.NodeCopies`: ``sweep`` and ``prune``, the same tree).
+(:class:`~.nodecopies.NodeStorage`: ``sweep`` and ``prune``, fan-out trees as the store's).
 
 Everything here is safe while other processes read and write the directory: entries
 disappear atomically (readers see the whole entry or none), a held lock file is never
@@ -28,12 +28,12 @@ from .system import pid_alive
 
 if TYPE_CHECKING:
     from .fileio import StoredEntry
-    from .nodecopies import NodeCopies
+    from .nodecopies import NodeStorage
     from .store import Store
 
-    #: What is kept in order here: a cache directory's store, or a node's copies of its
-    #: entries (the same fan-out tree, the same temp, lock and prune-lock names).
-    Tree = Store | NodeCopies
+    #: What is kept in order here: a cache directory's store, or the node's copies of
+    #: entries (fan-out trees of the same temp, lock and prune-lock names).
+    Tree = Store | NodeStorage
 
 __all__ = ["TEMP_MAX_AGE", "PruneResult", "clear", "orphans", "prune", "sweep", "verify"]
 

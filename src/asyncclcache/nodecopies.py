@@ -4,10 +4,11 @@ shared directory once, whatever number of its ranks hit it (docs/mpi.md).
 Layout, in node-local storage (``ASYNCCLCACHE_NODE_DIR``, else ``$TMPDIR``, else
 ``/tmp``; one folder per user, and per simulated node in tests: ``ASYNCCLCACHE_TEST_NODE``)::
 
-    <node dir>/asyncclcache-<uid>/[node-<name>/]<digest of the shared root>/
-        <key[:2]>/<key>-<stamp>.copy    the shared entry whose file had <stamp>
-        <key[:2]>/<key>.lock            held by the rank that copies it now
-        prune.lock                      held by the one process that prunes
+    <node dir>/asyncclcache-<uid>/[node-<name>/]
+        prune.lock                          held by the one process that prunes the node
+        <digest of a shared root>/
+            <key[:2]>/<key>-<stamp>.copy    the shared entry whose file had <stamp>
+            <key[:2]>/<key>.lock            held by the rank that copies it now
 
 A lookup ``lstat``\\ s the shared entry (a metadata call, no open) and reads the copy
 named by that file's stamp (device, inode, size, modification time): a shared entry that
@@ -20,11 +21,13 @@ stopped or slow rank never holds up another for more than the read it would save
 
 Copies are scratch, written without ``fsync`` (a torn one fails its checksum and is
 dropped); they outlive the job, so the next job on the node reads nothing from the shared
-directory, and are kept in order at exit as the shared directory is (:mod:`.maintenance`:
-pruned to ``ASYNCCLCACHE_NODE_MAX_SIZE``, least recently used first, by one process at a
-time; the temp and lock files of killed copiers swept). A node-local directory that cannot
-be used (not writable, full, another user's) warns once (:class:`~.errors.NodeDirWarning`)
-and the process reads the shared directory itself from then on.
+directory, and are kept in order at exit as the shared directory is (:mod:`.maintenance`
+on :class:`NodeStorage`: every copy of the user's on the node, of any shared directory,
+removed ones too, pruned to ``ASYNCCLCACHE_NODE_MAX_SIZE``, least recently used first, by
+one process at a time; the temp and lock files of killed copiers swept). A node-local
+directory that cannot be used (not writable, full, another user's) warns once
+(:class:`~.errors.NodeDirWarning`) and the process reads the shared directory itself from
+then on, at once: nothing is waited for.
 
 Thread- and process-safe: ranks of one job, and jobs of one user on one node, share it.
 """
@@ -42,6 +45,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NodeDirWarning
@@ -61,11 +65,11 @@ from .locks import LOCK_SUFFIX, Claim, take
 #: A shared entry file's identity (:data:`.store.Stamp`).
 Stamp = tuple[int, ...]
 
-__all__ = ["DEFAULT_MAX_BYTES", "NodeCopies", "node_base"]
+__all__ = ["DEFAULT_MAX_BYTES", "NodeCopies", "NodePlace", "NodeStorage", "node_base"]
 
 logger = logging.getLogger(__name__)
 
-#: Default bound of one shared directory's copies on a node (``ASYNCCLCACHE_NODE_MAX_SIZE``).
+#: Default bound of a user's copies on a node, every shared directory's (``ASYNCCLCACHE_NODE_MAX_SIZE``).
 DEFAULT_MAX_BYTES = 2 << 30
 #: A rank that finds another copying an entry waits for that copy at most twice as long as its
 #: own reads of the shared directory took (the first: :data:`FIRST_WAIT`), within these bounds
@@ -81,21 +85,78 @@ MAX_SERVED = 100_000
 #: The name of a copy in the node-local directory (its locks, temp files and prune lock are
 #: named as in the shared directory).
 COPY_SUFFIX = ".copy"
+#: Hex digits of a shared directory's digest, its copies' folder name.
+ROOT_DIGITS = 16
 
 
-def node_base(given: str | None = None, simulated: str | None = None) -> tuple[Path, bool, Path]:
-    """Where this user's node-local copies live on this node: ``(top, given, base)``. ``top``
-    is the folder made private first: ``given`` (``ASYNCCLCACHE_NODE_DIR``; a link to it is
-    followed, as the user named it), else ``$TMPDIR`` or ``/tmp`` plus ``asyncclcache-<uid>``
-    (never a link: others can write there). ``base`` is ``top``, or its ``node-<digest>``
-    folder for a simulated node (``simulated``, tests)."""
+@dataclass(frozen=True)
+class NodePlace:
+    """Where this user's node-local copies live on this node (:func:`node_base`)."""
+
+    #: ``ASYNCCLCACHE_NODE_DIR`` (made if missing; a link to it is followed, as the user named
+    #: it), else ``$TMPDIR`` or ``/tmp``: a folder others may share.
+    parent: Path
+    #: ``<parent>/asyncclcache-<uid>``: made private, never a link (others can write the parent).
+    top: Path
+    #: ``top``, or its ``node-<digest>`` folder for a simulated node (tests): what
+    #: :class:`NodeStorage` keeps in order.
+    base: Path
+    given: bool
+
+
+def node_base(given: str | None = None, simulated: str | None = None) -> NodePlace:
+    """Where this user's copies live on this node: ``asyncclcache-<uid>/`` in ``given``
+    (``ASYNCCLCACHE_NODE_DIR``, an absolute path: :func:`.config.absolute_path`), else in
+    ``$TMPDIR`` (where absolute), else in ``/tmp``; per simulated node (``simulated``, tests)
+    a folder of its own in that."""
     if given:
-        top = Path(given).expanduser()
+        parent = Path(given)
     else:
-        uid = os.getuid() if hasattr(os, "getuid") else 0
-        top = Path(tempfile.gettempdir()) / f"asyncclcache-{uid}"  # $TMPDIR, else /tmp
+        tmp = os.environ.get("TMPDIR", "")
+        parent = Path(tmp if os.path.isabs(tmp) else "/tmp")
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    top = parent / f"asyncclcache-{uid}"
     base = top / f"node-{hashlib.sha256(simulated.encode()).hexdigest()[:12]}" if simulated else top
-    return top, bool(given), base
+    return NodePlace(parent, top, base, bool(given))
+
+
+class NodeStorage:
+    """Every copy this user keeps on this node (:attr:`NodePlace.base`): of every shared
+    directory, removed ones included. What :mod:`.maintenance` keeps in order at exit (its
+    sweep, and the prune to ``ASYNCCLCACHE_NODE_MAX_SIZE``), so that the bound bounds the
+    node, not one directory's share of it. Thread- and process-safe."""
+
+    #: Maintenance writes here (removes orphans) whenever it is usable.
+    read_only = False
+
+    def __init__(self, base: Path) -> None:
+        self.root = base
+
+    @property
+    def enabled(self) -> bool:
+        return self.root.is_dir() and not self.root.is_symlink()
+
+    def roots(self) -> Iterator[Path]:
+        """The folders of each shared directory's copies (named by its digest; not links)."""
+        try:
+            names = sorted(os.listdir(self.root))
+        except OSError:
+            return
+        for name in names:
+            if len(name) == ROOT_DIGITS and all(c in "0123456789abcdef" for c in name):
+                p = self.root / name
+                if p.is_dir() and not p.is_symlink():
+                    yield p
+
+    def files(self) -> Iterator[tuple[Path, str]]:
+        """``(path, name)`` of every file in every fan-out directory (copies, locks, temps)."""
+        for r in self.roots():
+            yield from fanout_files(r)
+
+    def entries(self) -> Iterator[StoredEntry]:
+        """Every copy, unvalidated (``key``: its name less the suffix)."""
+        for r in self.roots():
+            yield from listed(r, COPY_SUFFIX)
 
 
 def _stamp_name(stamp: Stamp) -> str:
@@ -107,26 +168,25 @@ class NodeCopies:
     ``where`` (:func:`node_base`); :meth:`.store.Store.lookup` reads through it. ``count``
     is the counters' ``add``. Thread- and process-safe."""
 
-    def __init__(self, shared_root: Path, where: tuple[Path, bool, Path],
+    def __init__(self, shared_root: Path, where: NodePlace,
                  count: Callable[[str], None] | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
-        top, given, base = where
-        self.base = base
-        self.root = base / hashlib.sha256(str(shared_root).encode()).hexdigest()[:16]
+        self.base = where.base
+        self.root = where.base / hashlib.sha256(str(shared_root).encode()).hexdigest()[:ROOT_DIGITS]
         self.count = count if count is not None else (lambda name: None)
-        #: The bound of these copies (``None``: none), kept by :func:`.maintenance.prune` at exit.
+        #: Every copy on the node, this directory's and others': kept in order at exit.
+        self.storage = NodeStorage(where.base)
+        #: The bound of all of this user's copies on the node (``None``: none), kept by
+        #: :func:`.maintenance.prune` of :attr:`storage` at exit.
         self.max_bytes = max_bytes
         self.problem: str | None = None
-        #: Copies are written here whenever it is usable (for :mod:`.maintenance`).
-        self.read_only = False
         self._lock = threading.Lock()
         self._budget = FIRST_WAIT
         #: Keys this process read from a copy, and the copy's path.
         self._served: dict[str, Path] = {}
         try:
-            if given:
-                top.parent.mkdir(parents=True, exist_ok=True)
-            make_private_dir(top, follow=given)
-            for d in dict.fromkeys((base, self.root)):
+            if where.given:
+                where.parent.mkdir(parents=True, exist_ok=True)
+            for d in dict.fromkeys((where.top, where.base, self.root)):
                 make_private_dir(d)
         except OSError as e:
             self._give_up(e)
@@ -135,14 +195,6 @@ class NodeCopies:
     def enabled(self) -> bool:
         """False once the node-local directory failed: the shared directory serves."""
         return self.problem is None
-
-    def files(self) -> Iterator[tuple[Path, str]]:
-        """``(path, name)`` of every file in the fan-out directories (copies, locks, temps)."""
-        return fanout_files(self.root) if self.enabled else iter(())
-
-    def entries(self) -> Iterator[StoredEntry]:
-        """Every copy, unvalidated (``key``: its name less the suffix)."""
-        return listed(self.root, COPY_SUFFIX) if self.enabled else iter(())
 
     def _give_up(self, e: OSError | str) -> None:
         why = e if isinstance(e, str) else (str(e) if e.strerror is None else f"{e.strerror} ({e.filename})")
@@ -205,7 +257,7 @@ class NodeCopies:
         (:meth:`read_took`); or the claim, if its holder let go without a copy (killed, or
         its read failed). ``(None, None)``: read the shared entry yourself."""
         deadline = time.monotonic() + self._budget
-        while True:
+        while self.enabled:  # a folder that failed meanwhile has no copy to wait for
             data = self.copy(key, stamp)
             if data is not None:
                 return data, None
@@ -213,6 +265,7 @@ class NodeCopies:
             if claim is not None or time.monotonic() >= deadline:
                 return None, claim
             time.sleep(WAIT_POLL)
+        return None, None
 
     def read_took(self, seconds: float) -> None:
         """A read of the shared directory took ``seconds``: the wait for another's copy is

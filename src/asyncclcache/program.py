@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +24,7 @@ from . import _pyopencl, platforms
 from ._pyopencl import PYOPENCL_BUILD
 from .cache import Cache, default_cache
 from .drivers import Build, Job
+from .errors import SettingWarning
 from .keys import make_key
 
 __all__ = ["Program", "install", "installed", "is_installed", "uninstall"]
@@ -140,9 +142,29 @@ class Program(cl.Program):
         cache_dir: str | None = None,
     ) -> Program:
         """Build like ``pyopencl.Program.build``; returns ``self`` at once on a miss."""
-        cache = self._acc_cache or default_cache()
-        cached_build(self, cache, options, devices, cache_dir)
+        cache = self._acc_cache or _default_cache()
+        if cache is None:  # a bad setting, warned about: built as pyopencl builds
+            PYOPENCL_BUILD(self, options, devices, cache_dir)
+        else:
+            cached_build(self, cache, options, devices, cache_dir)
         return self
+
+
+_said_bad_setting = False
+
+
+def _default_cache() -> Cache | None:
+    """:func:`default_cache`, or ``None`` where a setting is bad (``ASYNCCLCACHE_DIR=~nobody``,
+    no home directory for the default, ...): one :class:`SettingWarning` a process, naming
+    it, and the program builds uncached instead of failing."""
+    global _said_bad_setting
+    try:
+        return default_cache()
+    except ValueError as e:
+        if not _said_bad_setting:
+            _said_bad_setting = True
+            warnings.warn(f"asyncclcache: {e}; building without the cache", SettingWarning, stacklevel=3)
+        return None
 
 
 # {{{ install
@@ -180,7 +202,11 @@ _installed_build.__doc__ = PYOPENCL_BUILD.__doc__
 def _stand_aside() -> str | None:
     from .config import get_config
 
-    if get_config().disable:
+    try:
+        disable = get_config().disable
+    except ValueError:
+        return None  # a bad setting: said by _default_cache, as a warning
+    if disable:
         return "ASYNCCLCACHE_DISABLE is set"
     if _pyopencl.no_cache_requested():
         return "PYOPENCL_NO_CACHE is set"
@@ -196,17 +222,23 @@ def install(cache: Cache | None = None) -> bool:
     Covers ``pyopencl.array``, elementwise, reduction and scan kernels, loopy and
     user code. Idempotent and thread-safe; a second call switches the cache.
     Steps aside (returns False, says so once in the log) when
-    ``PYOPENCL_NO_CACHE`` or ``ASYNCCLCACHE_DISABLE`` is set.
+    ``PYOPENCL_NO_CACHE`` or ``ASYNCCLCACHE_DISABLE`` is set; where a setting is bad
+    (the message names it), returns False with one :class:`~.errors.SettingWarning`.
     """
     global _installed_cache, _said_aside
     reason = _stand_aside()
+    if reason is not None:
+        with _install_lock:
+            first = not _said_aside
+            _said_aside = True
+        if first:
+            logger.info("asyncclcache.install(): not installing: %s", reason)
+        return False
+    chosen = cache or _default_cache()
+    if chosen is None:
+        return False
     with _install_lock:
-        if reason is not None:
-            if not _said_aside:
-                logger.info("asyncclcache.install(): not installing: %s", reason)
-                _said_aside = True
-            return False
-        _installed_cache = cache or default_cache()
+        _installed_cache = chosen
         cl.Program.build = _installed_build  # type: ignore[method-assign]
     return True
 

@@ -107,9 +107,14 @@ def parse(argv: Sequence[str]) -> RunArgs:
 
 
 def _environment(r: RunArgs) -> dict[str, str]:
+    from .config import absolute_path
+
     env = {"ASYNCCLCACHE_INSTALL": "1"}
     if r.directory is not None:
-        env["ASYNCCLCACHE_DIR"] = os.path.abspath(os.path.expanduser(r.directory))
+        try:
+            env["ASYNCCLCACHE_DIR"] = absolute_path(r.directory, "run: --dir")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if r.strategy is not None:
         env["ASYNCCLCACHE_STRATEGY"] = r.strategy
     if r.stats:
@@ -125,20 +130,21 @@ def main(argv: Sequence[str]) -> int:
         return 0
     try:
         r = parse(argv)
+        env = _environment(r)
     except UsageError as e:
         sys.stderr.write(f"{USAGE}asyncclcache: {e}\n")
         return EXIT_USAGE
-    os.environ.update(_environment(r))
-    if r.command:
-        return _exec(r.command)
+    os.environ.update(env)
     from .config import get_config
 
     get_config.cache_clear()  # the options above are this process's settings now
     try:
-        get_config()
+        get_config()  # a bad setting is said here, for a command too, before anything runs
     except ValueError as e:
         sys.stderr.write(f"asyncclcache: {e}\n")
         return EXIT_USAGE
+    if r.command:
+        return _exec(r.command)
     from . import _startup
 
     _startup.activate()

@@ -117,10 +117,14 @@ def stamp_of(st: os.stat_result) -> Stamp:
 
 
 def default_directory() -> Path:
-    """``platformdirs.user_cache_dir("asyncclcache")``."""
+    """``platformdirs.user_cache_dir("asyncclcache")``, absolute; ``ValueError`` where it
+    is not known (no home directory: set ``ASYNCCLCACHE_DIR``)."""
     import platformdirs
 
-    return Path(platformdirs.user_cache_dir("asyncclcache"))
+    from .config import absolute_path
+
+    return Path(absolute_path(platformdirs.user_cache_dir("asyncclcache"),
+                              "the default cache directory (set ASYNCCLCACHE_DIR)"))
 
 
 @dataclass(frozen=True)
@@ -175,15 +179,18 @@ class Store:
         node_copies: bool | None = None,
         count: Callable[[str], None] | None = None,
     ) -> None:
-        """``rank`` overrides MPI detection; ``create=False`` (the command line) never makes
+        """``directory`` is made absolute now (``ValueError`` where it cannot be: ``~user``
+        of no user, say). ``rank`` overrides MPI detection; ``create=False`` (the command line) never makes
         directories: a missing cache is reported in ``problem`` without a warning.
         ``node_copies``: read through this node's copies (:mod:`.nodecopies`); default
         (``None``): ``ASYNCCLCACHE_NODE_COPIES``, else on under a launcher (a rank), for a
         directory the ranks share. ``count(name)`` is told what the copies count."""
-        from .config import get_config
+        from .config import absolute_path, get_config
 
         cfg = get_config()
-        base = Path(directory or cfg.directory or default_directory()).expanduser()
+        # Absolute once: the program may chdir, and helpers start in "/".
+        base = Path(absolute_path(directory, "cache directory") if directory else cfg.directory
+                    or default_directory())
         if rank_local is None:
             rank_local = bool(cfg.rank_local)
         self.rank = detect_rank() if rank is None else rank
@@ -368,6 +375,8 @@ class Store:
         other ranks by the one that holds the node's claim (the others wait for that copy no
         longer than a read of their own takes, :meth:`.NodeCopies.wait_for`)."""
         path = self.path_for(key)
+        if not node.enabled:  # its folder failed: nothing to copy to, nor to wait for
+            return self._read_shared(key, node, None)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -401,6 +410,11 @@ class Store:
             near = from_copy(data)
             if near is not None:
                 return near
+        return self._read_shared(key, node, claim)
+
+    def _read_shared(self, key: str, node: NodeCopies, claim: Claim | None) -> ReadResult:
+        """:meth:`read` of the shared file, counted; under the node's ``claim``, left as the
+        node's copy. Releases ``claim``."""
         try:
             t0 = time.monotonic()
             r = self.read(key)  # and what is wrong with the file, as without copies
