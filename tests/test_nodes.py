@@ -33,6 +33,7 @@ from asyncclcache.config import get_config
 from asyncclcache.errors import NodeDirWarning
 from asyncclcache.nodecopies import COPY_SUFFIX, NodeCopies, node_base
 from asyncclcache.ranks import detect_node
+from asyncclcache.shared import SharedDir
 from asyncclcache.store import ENTRY_SUFFIX, PublishResult, Store
 from conftest import ROOT
 from test_mpi import _mpiexec  # mpiexec, where MPI (with mpi4py) starts here
@@ -306,7 +307,7 @@ def test_a_read_only_node_dir_warns_once(rank, tmpfs, monkeypatch) -> None:
 
 
 def test_copies_are_pruned_to_their_bound_least_recently_used_first(tmp_path) -> None:
-    node = NodeCopies(tmp_path / "shared", node_base(str(tmp_path / "node")), max_bytes=25_000)
+    node = NodeCopies(SharedDir(tmp_path / "shared"), node_base(str(tmp_path / "node")), max_bytes=25_000)
     for i in range(4):
         node.put(key_of(f"c{i}"), (1, i, 10_000, i), b"x" * 10_000)
         os.utime(node._copy_path(key_of(f"c{i}"), (1, i, 10_000, i)), (1000 + i, 1000 + i))
@@ -377,7 +378,7 @@ def test_the_node_bound_covers_every_copy_on_the_node(tmp_path, monkeypatch) -> 
     node_dir = tmp_path / "node"
     # Copies of a cache directory that was removed since, and of another one still there.
     for gone in ("removed", "other"):
-        old = NodeCopies(tmp_path / gone, node_base(str(node_dir)))
+        old = NodeCopies(SharedDir(tmp_path / gone), node_base(str(node_dir)))
         for i in range(5):
             old.put(key_of(f"{gone} {i}"), (1, i, 30_000, i), os.urandom(30_000))
     monkeypatch.setenv("ASYNCCLCACHE_NODE_DIR", str(node_dir))

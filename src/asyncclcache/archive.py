@@ -34,34 +34,37 @@ from pathlib import Path
 
 from .entry import EntryFormatError
 from .errors import ArchiveError
-from .fileio import atomic_writer
+from .fileio import TEMP_PREFIX, atomic_writer
 from .keys import FORMAT_VERSION
-from .store import (
+from .locks import LOCK_SUFFIX
+from .shared import (
+    BAKED_MARK,
     ENTRY_SUFFIX,
-    LOCK_SUFFIX,
     PRUNE_LOCK,
     RANK_PREFIX,
+    STATS_DIR,
     STATS_FILE,
     STATS_LOCK,
-    TEMP_PREFIX,
-    PublishResult,
-    Store,
+    UPKEEP_FILE,
     check_data,
     version_dir,
 )
+from .store import PublishResult, Store
 
 __all__ = ["ArchiveError", "ExportResult", "ImportResult", "export_archive", "import_archive"]
 
 #: Largest entry accepted from an archive (a kcache entry is a few MB).
 MAX_MEMBER = 1 << 30
-# The store's names (store.py spells them): members are named like the directory's files.
+# The directory's names (shared.py spells them): members are named like its files.
 _V, _RANK, _SUFFIX = re.escape(version_dir(Path()).name), re.escape(RANK_PREFIX), re.escape(ENTRY_SUFFIX)
 _ENTRY_RE = re.compile(rf"^{_V}/(?:{_RANK}(\d{{1,9}})/)?([0-9a-f]{{2}})/([0-9a-f]{{64}}){_SUFFIX}$")
 # Directories of the layout, and files a hand-made tar of a cache directory also holds
 # (locks, lifetime counters, temp files): ignored, never written.
-_DIR_RE = re.compile(rf"^(?:{_V}(?:/{_RANK}\d{{1,9}})?(?:/[0-9a-f]{{2}})?)?$")
+_STATS = re.escape(STATS_DIR)
+_DIR_RE = re.compile(rf"^(?:{_V}(?:/{_RANK}\d{{1,9}})?(?:/[0-9a-f]{{2}}|/{_STATS})?)?$")
+_NAMES = "|".join(re.escape(n) for n in (STATS_FILE, STATS_LOCK, PRUNE_LOCK, UPKEEP_FILE, BAKED_MARK))
 _IGNORED_RE = re.compile(
-    rf"^{_V}/(?:{_RANK}\d{{1,9}}/)?(?:{'|'.join(re.escape(n) for n in (STATS_FILE, STATS_LOCK, PRUNE_LOCK))}"
+    rf"^{_V}/(?:{_RANK}\d{{1,9}}/)?(?:{_NAMES}|{_STATS}/[^/]*"
     rf"|[0-9a-f]{{2}}/[0-9a-f]{{64}}{re.escape(LOCK_SUFFIX)}|[0-9a-f]{{2}}/{re.escape(TEMP_PREFIX)}[^/]*)$"
 )
 _MODES = {".tar": "", ".tar.gz": "gz", ".tgz": "gz", ".tar.xz": "xz", ".txz": "xz", ".tar.bz2": "bz2",

@@ -54,6 +54,9 @@ __all__ = ["BakeResult", "IdleBaker", "bake", "to_bake"]
 
 logger = logging.getLogger(__name__)
 
+#: Why an entry is not baked again.
+ALREADY = "already baked"
+
 
 @dataclass
 class BakeResult:
@@ -112,7 +115,7 @@ def to_bake(store: Store, device: str | None = None) -> tuple[list[str], dict[st
         elif device is not None and not meta.for_device(device):
             leave("another device than --device")
         elif _baked_fresh(store, e.key, meta):
-            leave("already baked")
+            leave(ALREADY)
         else:
             keys.append(e.key)
     return keys, left
@@ -199,7 +202,7 @@ class _Worker:
         if entry is None or entry.kind != "kcache" or entry.meta.source is None:
             return "skipped", "gone or not bakeable"
         if _baked_fresh(store, key, entry.meta):
-            return "skipped", "already baked"
+            return "skipped", ALREADY
         try:
             ctx, devices = self._devices.find(entry.meta.devices)
         except LookupError:
@@ -404,6 +407,8 @@ def bake(
     todo: list[tuple[tuple[str, bool, int | None], str]] = []
     for s in stores:
         keys, left = to_bake(s, device)
+        if left.get(ALREADY) and s.writable:
+            s.mark_baked()  # baked by an earlier release, which wrote no mark: hits look for them
         for why, n in left.items():
             result.skipped[why] = result.skipped.get(why, 0) + n
         # Absolute: a worker enters each entry's folder for its build.
@@ -412,6 +417,12 @@ def bake(
     if todo:
         _run(todo, max(1, min(jobs, len(todo))), result, progress=lambda r: progress and progress(r, total),
              priority=priority)
+    from . import maintenance
+    from .config import get_config
+
+    for s in stores:  # after the job: its processes leave the directory alone for an interval
+        if s.writable:
+            maintenance.upkeep(s, max_size=get_config().max_size)
     result.seconds = time.monotonic() - t0
     return result
 

@@ -466,6 +466,8 @@ class Cache:
         key = baked_key(entry.key)
         baked = self._memory.get(key)
         if baked is None:
+            if not self.store.may_have_baked():  # none baked here: no lookup on the shared dir
+                return None
             baked, _ = self.store.lookup(key, b.info.devices)
             if baked is None:
                 return None

@@ -357,8 +357,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     human += [f"  bad  {b['key'][:12]}  {b['problem']}" for b in bad]
     if temps or locks:
         verb = "removed" if args.fix else "found"
-        human.append(f"{verb} {len(temps)} orphaned temp files, {len(locks)} orphaned lock files")
-        human += [f"  orphan  {p}" for p in temps + locks]
+        human.append(f"{verb} {len(temps)} orphaned temp files, {len(locks)} orphaned lock files "
+                     f"(under {_base(args)})")
+        base = str(_base(args)) + os.sep
+        human += [f"  orphan  {p.removeprefix(base)}" for p in temps + locks]  # the name: in view
     _emit(args, {"checked": checked, "bad": bad, "fixed": bool(args.fix),
                  "orphaned_temp_files": temps, "orphaned_lock_files": locks}, human)
     return EXIT_CHECK_FAILED if bad else EXIT_OK
@@ -378,8 +380,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
     removed = freed = remaining = 0
     busy = False
     for s in stores:
-        # The bound applies to each directory that a process fills (each rank's, say).
-        r = maintenance.prune(s, max_size=max_size, older_than=args.older_than)
+        # The bound applies to each directory that a process fills (each rank's, say). The
+        # whole upkeep: its processes then leave the directory alone for an interval.
+        r = maintenance.upkeep(s, max_size=max_size, older_than=args.older_than)
         busy = busy or not r.ran
         removed += r.removed
         freed += r.freed

@@ -94,10 +94,14 @@ def _private_group(gid: int) -> bool:
 
 def make_private_dir(path: Path, *, follow: bool = False) -> None:
     """``mkdir`` 0700 if missing, then check it: ours, not group/other-writable, and (unless
-    ``follow``) not a link. Raises :class:`InsecurePathError` or ``OSError``."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.stat(path) if follow else os.lstat(path)
+    ``follow``) not a link. Raises :class:`InsecurePathError` or ``OSError``. One ``stat``
+    where it is there (no ``mkdir``: each is a metadata request on a shared file system)."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        st = os.stat(path) if follow else os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise InsecurePathError(f"{path} is a symbolic link")
     if not stat.S_ISDIR(st.st_mode):
@@ -161,12 +165,44 @@ def atomic_writer(
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, target)
+        _commit(directory, tmp, target, durable)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(
+    directory: Path, target: Path, data: bytes, write_hook: Callable[[str], None] | None = None,
+    *, durable: bool = True,
+) -> None:
+    """:func:`atomic_writer` for ``data``, written with plain ``write`` calls (a buffered
+    file object adds an ``fstat``, ``ioctl`` and ``lseek``: requests on a shared file
+    system). Raises ``OSError`` after removing its temp file. ``write_hook(temp_path)``
+    runs before the data is written (tests widen the window)."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=temp_prefix(), suffix=TEMP_SUFFIX)
+    try:
+        try:
+            if write_hook is not None:
+                write_hook(tmp)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        _commit(directory, tmp, target, durable)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _commit(directory: Path, tmp: str, target: Path, durable: bool) -> None:
+    # The temp file, written and closed, becomes ``target``; durable: the rename too.
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, target)
     if not durable:
         return
     with contextlib.suppress(OSError):
@@ -175,16 +211,6 @@ def atomic_writer(
             os.fsync(dfd)
         finally:
             os.close(dfd)
-
-
-def atomic_write(
-    directory: Path, target: Path, data: bytes, write_hook: Callable[[str], None] | None = None,
-    *, durable: bool = True,
-) -> None:
-    """:func:`atomic_writer` for ``data``. Raises ``OSError`` after removing its temp file.
-    ``write_hook(temp_path)`` runs before the data is written (tests widen the window)."""
-    with atomic_writer(directory, target, on_open=write_hook, durable=durable) as f:
-        f.write(data)
 
 
 # {{{ listing a fan-out tree (a cache directory's entries, a node's copies of them)

@@ -1,7 +1,16 @@
 """Keeping a cache directory in order: orphaned temp and lock files, full checks, the size
-bound, clearing. Used by the cache's writer thread (size bound, sweep), the command line
-(``verify``, ``prune``, ``clear``), and at exit for a node's copies of the entries
-(:class:`~.nodecopies.NodeStorage`: ``sweep`` and ``prune``, fan-out trees as the store's).
+bound, clearing. Used by the cache's writer thread (:func:`upkeep`, at most once an interval
+a directory), the command line (``verify``, ``prune``, ``clear``), and at exit for a node's
+copies of the entries (:class:`~.nodecopies.NodeStorage`: ``sweep`` and ``prune``, fan-out
+trees as the store's).
+
+The upkeep of a shared directory lists it whole: on a parallel file system every file is a
+metadata request. So no process lists it on its way, as thousands of ranks would at once.
+The first write of a process stats one stamp file (:data:`~.shared.UPKEEP_FILE`):
+only where it is older than :data:`UPKEEP_INTERVAL` (or missing), or where the size it
+measured plus what this process wrote since crosses the bound, does a process take the
+non-blocking prune lock and keep the directory in order (sweep, fold the lifetime counters,
+prune to the bound), then write the stamp with the size it measured. Others go on.
 
 Everything here is safe while other processes read and write the directory: entries
 disappear atomically (readers see the whole entry or none), a held lock file is never
@@ -12,18 +21,29 @@ evictors do not race (the second finds the prune lock held and returns).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .fileio import HOST, TEMP_PREFIX, TEMP_SUFFIX, temp_writer, unlink_if_same
+from .fileio import (
+    CLOEXEC,
+    HOST,
+    NOFOLLOW,
+    TEMP_PREFIX,
+    TEMP_SUFFIX,
+    atomic_write,
+    temp_writer,
+    unlink_if_same,
+)
 from .locks import LOCK_SUFFIX, file_lock, unheld
-from .store import PRUNE_LOCK
+from .shared import PRUNE_LOCK, UPKEEP_FILE
 from .system import pid_alive
 
 if TYPE_CHECKING:
@@ -35,12 +55,18 @@ if TYPE_CHECKING:
     #: entries (fan-out trees of the same temp, lock and prune-lock names).
     Tree = Store | NodeStorage
 
-__all__ = ["TEMP_MAX_AGE", "PruneResult", "clear", "orphans", "prune", "sweep", "verify"]
+__all__ = [
+    "TEMP_MAX_AGE", "UPKEEP_INTERVAL", "PruneResult", "Upkept", "clear", "last_upkeep", "orphans", "prune",
+    "sweep", "upkeep", "verify",
+]
 
 logger = logging.getLogger(__name__)
 
 #: A temp file whose writer is gone, or older than this, is swept.
 TEMP_MAX_AGE = 3600.0
+#: A directory is kept in order at most this often by the processes that write to it
+#: (seconds; ``asyncclcache prune`` any time).
+UPKEEP_INTERVAL = 3600.0
 
 
 @dataclass
@@ -102,39 +128,117 @@ def prune(store: Tree, *, max_size: int | None = None, older_than: float | None 
     second evictor that finds the prune lock held returns at once (``ran=False``).
     """
     result = PruneResult()
+    with _held(store) as held:
+        if held:
+            _prune(store, result, max_size, older_than)
+    return result
+
+
+@contextlib.contextmanager
+def _held(store: Tree) -> Iterator[bool]:
+    """The prune lock of ``store``, taken without waiting: True while held."""
     if not store.enabled:
-        return result
+        yield False
+        return
     import filelock
 
     lock = file_lock(store.root / PRUNE_LOCK, 0)
     try:
         lock.acquire()
     except (filelock.Timeout, OSError):
-        return result
+        yield False
+        return
     try:
-        result.ran = True
-        entries = sorted(store.entries(), key=lambda e: max(e.atime, e.mtime))
-        total = sum(e.size for e in entries)
-        cutoff = None if older_than is None else time.time() - older_than
-        for e in entries:
-            too_old = cutoff is not None and max(e.atime, e.mtime) < cutoff
-            too_big = max_size is not None and total > max_size
-            if not (too_old or too_big):
-                continue
-            try:
-                os.unlink(e.path)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                continue
-            total -= e.size
-            result.removed += 1
-            result.freed += e.size
-        result.remaining = total
+        yield True
     finally:
         lock.release()
+
+
+def _prune(store: Tree, result: PruneResult, max_size: int | None, older_than: float | None) -> None:
+    """:func:`prune`, under the prune lock."""
+    result.ran = True
+    entries = sorted(store.entries(), key=lambda e: max(e.atime, e.mtime))
+    total = sum(e.size for e in entries)
+    cutoff = None if older_than is None else time.time() - older_than
+    for e in entries:
+        too_old = cutoff is not None and max(e.atime, e.mtime) < cutoff
+        too_big = max_size is not None and total > max_size
+        if not (too_old or too_big):
+            continue
+        try:
+            os.unlink(e.path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        total -= e.size
+        result.removed += 1
+        result.freed += e.size
+    result.remaining = total
     if result.removed:
         logger.info("pruned %d entries (%d bytes) in %s", result.removed, result.freed, store.root)
+
+
+@dataclass(frozen=True)
+class Upkept:
+    """What the stamp of a directory's last upkeep says: whether another is due now (older
+    than the interval by this host's clock, far in its future, or none), and the bytes of
+    its entries then (``None``: not known)."""
+
+    due: bool
+    bytes: int | None
+    mtime_ns: int | None = None
+
+
+def last_upkeep(store: Store, *, want_size: bool = False) -> Upkept:
+    """The stamp of ``store``'s last :func:`upkeep`: one ``lstat`` (and one read of a few
+    bytes where ``want_size``). A clock that is off makes an upkeep early or late, never
+    wrong: every step of it is safe at any time."""
+    path = store.root / UPKEEP_FILE
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return Upkept(True, None)
+    age = time.time() - st.st_mtime
+    due = not (-UPKEEP_INTERVAL < age < UPKEEP_INTERVAL)
+    size = None
+    if want_size:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                value = json.loads(f.read(4096)).get("bytes")
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                size = value
+    return Upkept(due, size, st.st_mtime_ns)
+
+
+def upkeep(store: Store, *, max_size: int | None = None, older_than: float | None = None,
+           seen: Upkept | None = None, wrote: int = 0) -> PruneResult:
+    """Keep ``store`` in order, by one process at a time (the prune lock, not waited for):
+    sweep orphans, fold the lifetime counters' additions, prune to ``max_size`` (and what
+    is unused for ``older_than`` seconds: :func:`prune`), and stamp it with the size
+    measured. Skipped (``ran=False``) where another process holds the lock, or kept the
+    directory in order since the caller looked (``seen``) and left it under the bound with
+    the ``wrote`` bytes the caller wrote since. Safe at any time, and while others read
+    and write."""
+    from .stats import fold_lifetime
+
+    result = PruneResult()
+    if store.read_only:
+        return result
+    with _held(store) as held:
+        if not held:
+            return result
+        now = last_upkeep(store, want_size=True)
+        if seen is not None and now.mtime_ns != seen.mtime_ns and not now.due and (
+                max_size is None or (now.bytes is not None and now.bytes + wrote <= max_size)):
+            return result  # another process just did it
+        sweep(store)
+        fold_lifetime(store.root)
+        _prune(store, result, max_size, older_than)
+        with contextlib.suppress(OSError):
+            data = json.dumps({"bytes": result.remaining, "at": time.time()}).encode()
+            atomic_write(store.root, store.root / UPKEEP_FILE, data, durable=False)
     return result
 
 

@@ -40,7 +40,6 @@ import hashlib
 import logging
 import os
 import stat
-import tempfile
 import threading
 import time
 import warnings
@@ -48,6 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .entry import EntryFormatError
 from .errors import NodeDirWarning
 from .fileio import (
     CLOEXEC,
@@ -61,9 +61,7 @@ from .fileio import (
     make_private_dir,
 )
 from .locks import LOCK_SUFFIX, Claim, take
-
-#: A shared entry file's identity (:data:`.store.Stamp`).
-Stamp = tuple[int, ...]
+from .shared import ReadResult, SharedDir, Stamp, check_data, stamp_of
 
 __all__ = ["DEFAULT_MAX_BYTES", "NodeCopies", "NodePlace", "NodeStorage", "node_base"]
 
@@ -113,7 +111,8 @@ def node_base(given: str | None = None, simulated: str | None = None) -> NodePla
         parent = Path(given)
     else:
         tmp = os.environ.get("TMPDIR", "")
-        parent = Path(tmp if os.path.isabs(tmp) else "/tmp")
+        # Not tempfile.gettempdir(): where no temp folder is writable it picks the working one.
+        parent = Path(tmp if os.path.isabs(tmp) else "/tmp")  # noqa: S108 - a parent; ours is made in it
     uid = os.getuid() if hasattr(os, "getuid") else 0
     top = parent / f"asyncclcache-{uid}"
     base = top / f"node-{hashlib.sha256(simulated.encode()).hexdigest()[:12]}" if simulated else top
@@ -164,14 +163,16 @@ def _stamp_name(stamp: Stamp) -> str:
 
 
 class NodeCopies:
-    """This node's copies of the entries of one shared store (``shared_root``), kept in
-    ``where`` (:func:`node_base`); :meth:`.store.Store.lookup` reads through it. ``count``
-    is the counters' ``add``. Thread- and process-safe."""
+    """This node's copies of the entry files of ``shared`` (a shared store's), kept in
+    ``where`` (:func:`node_base`): a tier in front of them. :meth:`.store.Store.lookup`
+    reads through :meth:`read`, which reads ``shared`` itself where this node has no copy.
+    ``count`` is the counters' ``add``. Thread- and process-safe."""
 
-    def __init__(self, shared_root: Path, where: NodePlace,
+    def __init__(self, shared: SharedDir, where: NodePlace,
                  count: Callable[[str], None] | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
+        self.shared = shared
         self.base = where.base
-        self.root = where.base / hashlib.sha256(str(shared_root).encode()).hexdigest()[:ROOT_DIGITS]
+        self.root = where.base / hashlib.sha256(str(shared.root).encode()).hexdigest()[:ROOT_DIGITS]
         self.count = count if count is not None else (lambda name: None)
         #: Every copy on the node, this directory's and others': kept in order at exit.
         self.storage = NodeStorage(where.base)
@@ -213,6 +214,67 @@ class NodeCopies:
         return self.root / key[:2] / f"{key}-{_stamp_name(stamp)}{COPY_SUFFIX}"
 
     # {{{ read
+
+    def read(self, key: str) -> ReadResult:
+        """:meth:`.shared.SharedDir.read` of ``key``, from this node's copy of the shared
+        file as it is now where there is one (one ``lstat`` of the shared file, no open);
+        else the shared file, copied for the node's other ranks by the one that holds the
+        node's claim (the others wait for that copy no longer than a read of their own
+        takes, :meth:`wait_for`). Once this folder failed: the shared file, at once."""
+        shared = self.shared
+        if not self.enabled:  # nothing to copy to, nor to wait for
+            return self._read_shared(key, None)
+        path = shared.path_for(key)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return ReadResult(path)  # a miss, and nothing opened
+        except OSError:
+            st = None
+        # The shared file's identity names its copy (a link, another user's file: no copy).
+        usable = st is not None and stat.S_ISREG(st.st_mode) and insecure(st) is None
+        stamp = stamp_of(st) if st is not None and usable else None
+
+        def from_copy(data: bytes | None) -> ReadResult | None:
+            # The copy, checked as the shared entry is.
+            if data is None or stamp is None:
+                return None
+            try:
+                entry = check_data(key, data)
+            except EntryFormatError as e:
+                self.drop(key, stamp, str(e))
+                return None
+            self.count("node_reads")
+            return ReadResult(path, entry=entry, stat=st, data=data)
+
+        near = None if stamp is None else from_copy(self.copy(key, stamp))
+        if near is not None:
+            return near
+        claim = self.claim(key)
+        if claim is None and stamp is not None:
+            # Another rank of the node is copying it: its copy, if it comes within the time
+            # a read of our own would take.
+            data, claim = self.wait_for(key, stamp)
+            near = from_copy(data)
+            if near is not None:
+                return near
+        return self._read_shared(key, claim)
+
+    def _read_shared(self, key: str, claim: Claim | None) -> ReadResult:
+        """The shared file, read and counted; under the node's ``claim``, left as the
+        node's copy. Releases ``claim``."""
+        try:
+            t0 = time.monotonic()
+            r = self.shared.read(key)  # and what is wrong with the file, as without copies
+            if r.data is not None:
+                self.read_took(time.monotonic() - t0)
+                self.count("shared_reads")
+            if claim is not None and r.entry is not None and r.data is not None and r.stat is not None:
+                self.write(key, stamp_of(r.stat), r.data)
+        finally:
+            if claim is not None:
+                claim.release()
+        return r
 
     def copy(self, key: str, stamp: Stamp) -> bytes | None:
         """The bytes of this node's copy of the shared file ``stamp`` of ``key`` (unchecked:

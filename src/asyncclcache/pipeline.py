@@ -83,8 +83,10 @@ class Pipeline:
         self._wrote: OrderedDict[str, tuple[int, ...] | None] = OrderedDict()
         self._errors: list[BaseException] = []
         self._closed = False
-        self._swept = False
-        self._size_estimate: int | None = None  # bytes on disk, scanned once, then tracked
+        #: The directory's last upkeep as this process last read it (``None``: not yet), and
+        #: the bytes it wrote since (writer threads only).
+        self._upkept: maintenance.Upkept | None = None
+        self._wrote_bytes = 0
         self._track: PerJob[_Track] = PerJob(_Track)
 
     # {{{ state
@@ -111,9 +113,6 @@ class Pipeline:
             if job.key in self._jobs and job.key in self._inflight:
                 return False
             self._keep(job)
-        if not self._swept:
-            self._swept = True
-            self.workers.submit(self._sweep)
         job.driver.built(job)
         return True
 
@@ -137,9 +136,6 @@ class Pipeline:
         """Remove the entry ``key`` off the caller's thread (a baked binary that a hit could
         not use)."""
         self.workers.submit(self.store.remove, key)
-
-    def _sweep(self) -> None:
-        maintenance.sweep(self.store)
 
     def _keep(self, job: Job) -> None:
         # Under self._lock. Bounded: a process that builds thousands of programs keeps the
@@ -304,22 +300,33 @@ class Pipeline:
             while len(self._wrote) > MAX_JOBS:
                 self._wrote.popitem(last=False)
         self._on_written(entry)
-        self._keep_under_max_size(entry.nbytes)
+        self._tend(entry.nbytes)
 
-    def _keep_under_max_size(self, added: int) -> None:
-        # Writer thread only. A full scan once, then a running estimate; prune (a scan) only
-        # when the estimate says the bound is crossed.
-        if not self.max_size:
-            return
-        if self._size_estimate is None:
-            self._size_estimate = self.store.total_bytes()
+    def _tend(self, added: int) -> None:
+        # Writer thread, after a write: no scan of the directory on a job's way. The stamp of
+        # its last upkeep is read once (a stat; its size too where a bound is set); an upkeep
+        # (one process, non-blocking) only where that is an interval old, or where the size
+        # it measured plus what this process wrote since crosses the bound.
+        with self._lock:
+            self._wrote_bytes += added
+            seen, wrote = self._upkept, self._wrote_bytes
+        if seen is None:
+            seen = maintenance.last_upkeep(self.store, want_size=bool(self.max_size))
+            with self._lock:
+                self._upkept = seen
+            due = seen.due
         else:
-            self._size_estimate += added
-        if self._size_estimate <= self.max_size:
+            due = False  # read once a process: a long run is kept by the next process's read
+        over = bool(self.max_size) and (seen.bytes is None or seen.bytes + wrote > self.max_size)
+        if not (due or over):
             return
-        result = maintenance.prune(self.store, max_size=self.max_size)
-        if result.ran:
-            self._size_estimate = result.remaining
+        result = maintenance.upkeep(self.store, max_size=self.max_size, seen=seen, wrote=wrote)
+        if result.ran or over:  # ours, or another's since: what it measured
+            now = maintenance.last_upkeep(self.store, want_size=True)
+            with self._lock:
+                self._upkept = now
+                self._wrote_bytes = 0 if now.bytes is not None else wrote
+        if result.removed:
             self.counters.add("evictions", result.removed)
 
     def _end(self, job: Job, end: _End, error: BaseException | None = None) -> None:

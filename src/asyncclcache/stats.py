@@ -3,31 +3,36 @@
 :class:`Counters` is what a :class:`~asyncclcache.Cache` counts into (thread-safe);
 ``stats()`` snapshots it as an immutable :class:`Stats`. :data:`COUNTERS` is the one
 table of counters: each :class:`Stats` field says what it counts, whether it is a
-lifetime total and how the exit line shows it. The lifetime counters are one
-small JSON file per cache directory, summed over runs and processes: each process adds
-what it counted since its last save, under a file lock taken with a short timeout (a
-stuck holder costs a skipped save, never a hang), written atomically and durably
-(:func:`.fileio.atomic_write`). Readers take no lock.
+lifetime total and how the exit line shows it. The lifetime counters of a cache
+directory, summed over runs and processes, are a small JSON file plus what processes
+added since it was last folded: each save is a new file of its own in ``stats.d/`` (one
+``open`` that creates it, one ``write``; no lock, no read, no ``fsync``), so a thousand
+ranks that exit together never wait for one another. The directory's upkeep
+(:func:`.maintenance.upkeep`, about once an hour) folds those files into the total under
+a lock. Readers take no lock and sum both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import secrets
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .fileio import atomic_write
+from .fileio import CLOEXEC, HOST, NOFOLLOW, atomic_write
 from .locks import file_lock
-from .store import STATS_FILE, STATS_LOCK
+from .shared import STATS_DIR, STATS_FILE, STATS_LOCK
 
 __all__ = [
     "COUNTERS", "LIFETIME_FIELDS", "Counter", "Counters", "Stats",
-    "add_lifetime", "read_lifetime", "reset_lifetime",
+    "add_lifetime", "fold_lifetime", "read_lifetime", "reset_lifetime",
 ]
 
 logger = logging.getLogger(__name__)
@@ -148,8 +153,8 @@ class Counters:
             return Stats.from_values(dict(self._values, pending=pending))
 
     def save_lifetime(self, root: str | os.PathLike[str]) -> None:
-        """Add what was counted since the last save to ``root``'s lifetime counters
-        (bounded lock wait; a busy lock means: next time)."""
+        """Add what was counted since the last save to ``root``'s lifetime counters (a
+        file of its own: no lock, nothing waited for; a failed write means: next time)."""
         with self._lock:
             now = {k: v for k, v in self._values.items() if k in LIFETIME_FIELDS}
             deltas = {k: v - self._saved.get(k, 0) for k, v in now.items()}
@@ -158,7 +163,7 @@ class Counters:
             return
         if first:
             deltas["runs"] = 1
-        if add_lifetime(root, deltas, timeout=1.0):
+        if add_lifetime(root, deltas):
             with self._lock:
                 self._saved = now
 
@@ -174,48 +179,132 @@ COUNTERS: tuple[Counter, ...] = (
 LIFETIME_FIELDS: tuple[str, ...] = tuple(c.name for c in COUNTERS if c.lifetime)
 
 
-def read_lifetime(root: str | os.PathLike[str]) -> dict[str, float]:
-    """The lifetime counters of the cache at ``root`` (zeros if none yet)."""
-    out: dict[str, float] = dict.fromkeys(LIFETIME_FIELDS, 0)
+#: An addition's file: ``<host>-<pid>-<random>.json`` in ``stats.d/``.
+_ADDITION_SUFFIX = ".json"
+#: An addition that does not parse yet (being written) is left this long, then removed.
+_UNREADABLE_AGE = 3600.0
+
+
+def _parse(raw: bytes) -> dict[str, float] | None:
     try:
-        with open(Path(root) / STATS_FILE, "rb") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return out
-    if isinstance(data, dict):
-        for k in LIFETIME_FIELDS:
-            v = data.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[k] = v
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    return {k: v for k in LIFETIME_FIELDS
+            if isinstance(v := data.get(k), (int, float)) and not isinstance(v, bool)}
+
+
+def _read_file(path: Path) -> dict[str, float] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return _parse(f.read(1 << 16))
+    except OSError:
+        return None
+
+
+def _additions(root: Path) -> list[tuple[Path, dict[str, float] | None]]:
+    """The additions not folded yet, parsed (``None``: not readable, or being written)."""
+    folder = root / STATS_DIR
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [(folder / n, _read_file(folder / n)) for n in names
+            if n.endswith(_ADDITION_SUFFIX) and not n.startswith(".")]
+
+
+def read_lifetime(root: str | os.PathLike[str]) -> dict[str, float]:
+    """The lifetime counters of the cache at ``root`` (zeros if none yet): the folded
+    total plus the additions not folded yet. Takes no lock."""
+    root = Path(root)
+    out: dict[str, float] = dict.fromkeys(LIFETIME_FIELDS, 0)
+    for values in [_read_file(root / STATS_FILE), *(v for _, v in _additions(root))]:
+        for k, v in (values or {}).items():
+            out[k] += v
     return out
 
 
-def add_lifetime(root: str | os.PathLike[str], deltas: Mapping[str, float], *, timeout: float = 2.0) -> bool:
-    """Add ``deltas`` to the counters at ``root``; False if the lock was busy or I/O failed."""
-    deltas = {k: v for k, v in deltas.items() if k in LIFETIME_FIELDS and v}
-    if not deltas:
+def add_lifetime(root: str | os.PathLike[str], deltas: Mapping[str, float]) -> bool:
+    """Add ``deltas`` to the counters at ``root``: a new file in ``stats.d/``, never
+    waited for (no lock). False if it could not be written (logged)."""
+    values = {k: v for k, v in deltas.items() if k in LIFETIME_FIELDS and v}
+    if not values:
         return True
-    root = Path(root)
-    import filelock  # lazily: off the import path of a warm start
-
-    lock = file_lock(root / STATS_LOCK, timeout)
+    folder = Path(root) / STATS_DIR
+    name = f"{HOST}-{os.getpid()}-{secrets.token_hex(4)}{_ADDITION_SUFFIX}"
+    data = json.dumps(values, sort_keys=True).encode()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
     try:
-        with lock:
-            current = read_lifetime(root)
-            for k, v in deltas.items():
-                current[k] = current.get(k, 0) + v
-            _write(root, current)
-    except (filelock.Timeout, OSError) as e:
+        try:
+            fd = os.open(folder / name, flags, 0o600)
+        except FileNotFoundError:  # the first addition here
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder, 0o700)
+            fd = os.open(folder / name, flags, 0o600)
+        try:
+            # One write of a few hundred bytes: a reader sees all of it, or an empty file
+            # (skipped until it is whole).
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    except OSError as e:
         logger.info("could not save lifetime stats in %s: %s", root, e)
         return False
     return True
 
 
+def fold_lifetime(root: str | os.PathLike[str], *, timeout: float = 2.0) -> int:
+    """Fold the additions in ``stats.d/`` into the total (under the stats lock; bounded);
+    returns how many. By the directory's upkeep, once in a while. An addition that does not
+    parse is left until it is an hour old (its writer may be writing it), then removed."""
+    root = Path(root)
+    import filelock  # lazily: off the import path of a warm start
+
+    additions = _additions(root)
+    if not additions:
+        return 0
+    now = time.time()
+    folded = []
+    try:
+        with file_lock(root / STATS_LOCK, timeout):
+            current = _read_file(root / STATS_FILE) or {}
+            total = dict.fromkeys(LIFETIME_FIELDS, 0.0) | current
+            for path, values in additions:
+                if values is None:
+                    with contextlib.suppress(OSError):
+                        if now - os.lstat(path).st_mtime > _UNREADABLE_AGE:
+                            os.unlink(path)
+                    continue
+                for k, v in values.items():
+                    total[k] += v
+                folded.append(path)
+            if folded:
+                _write(root, total)
+            # Only once the total holds them (a crash between the two counts them twice,
+            # never loses them).
+            for path in folded:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+    except (filelock.Timeout, OSError) as e:
+        logger.info("could not fold lifetime stats in %s: %s", root, e)
+        return 0
+    return len(folded)
+
+
 def reset_lifetime(root: str | os.PathLike[str]) -> None:
-    """Zero the counters at ``root``."""
+    """Zero the counters at ``root`` (the additions not folded yet too)."""
     root = Path(root)
     with file_lock(root / STATS_LOCK, 10):
         _write(root, dict.fromkeys(LIFETIME_FIELDS, 0))
+        for path, _ in _additions(root):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _write(root: Path, values: Mapping[str, float]) -> None:

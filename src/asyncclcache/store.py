@@ -1,15 +1,11 @@
-"""Entry files on disk: where entries live, reading and checking them, atomic publish
-under a per-key claim. Keeping the directory in order (sweep, verify, prune, clear) is
-:mod:`.maintenance`; claims are :mod:`.locks`; file safety is :mod:`.fileio`.
-
-Layout::
-
-    <directory>/v<FORMAT_VERSION>/[rank-<N>/]<key[:2]>/<key>.acl    entries
-                                             <key[:2]>/<key>.lock   lock while writing
-                                             <key[:2]>/.tmp-<pid>-*.partial
+"""The cache directory as the cache uses it: looking entries up, atomic publish under a
+per-key claim. Names and reading one entry file are :mod:`.shared`; keeping the directory in
+order (sweep, verify, prune, clear) is :mod:`.maintenance`; claims are :mod:`.locks`; file
+safety is :mod:`.fileio`.
 
 Ranks of a job share the directory (``rank-<N>/`` only with ``rank_local``), and read it
-through their node's copies (:mod:`.nodecopies`) where those are on.
+through their node's copies (:mod:`.nodecopies`, a tier in front of the shared files)
+where those are on.
 
 Guarantees (thread- and process-safe):
 
@@ -24,6 +20,8 @@ Guarantees (thread- and process-safe):
 * Entries are native code that pocl ``dlopen``\\ s: directories are 0700, entries
   0600, nothing owned by another user or writable by others is read, symlinks are
   not followed.
+* A process that finds the directory tree there makes none of it again: one ``lstat``
+  of its root, and of a fan-out directory before a write there.
 """
 
 from __future__ import annotations
@@ -36,14 +34,14 @@ import os
 import secrets
 import shutil
 import stat
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .entry import Entry, EntryFormatError, EntryMeta, decode, encode, layout_problem, read_meta
+from .entry import Entry, EntryFormatError, EntryMeta, encode, read_meta
 from .errors import CacheDirWarning, CorruptEntryWarning, InsecureCacheWarning
 from .fileio import (
     CLOEXEC,
@@ -63,10 +61,26 @@ from .fileio import (
     temp_prefix,
     unlink_if_same,
 )
-from .keys import FORMAT_VERSION
 from .locks import LOCK_SUFFIX, Claim, take
 from .nodecopies import NodeCopies, node_base
 from .ranks import detect_rank
+from .shared import (
+    BAKED_MARK,
+    ENTRY_SUFFIX,
+    PRUNE_LOCK,
+    RANK_PREFIX,
+    STATS_FILE,
+    STATS_LOCK,
+    AnyStamp,
+    ReadResult,
+    SharedDir,
+    Stamp,
+    check_data,
+    default_directory,
+    ranks,
+    stamp_of,
+    version_dir,
+)
 
 __all__ = [
     "ENTRY_SUFFIX", "LOCK_SUFFIX", "PRUNE_LOCK", "RANK_PREFIX", "STATS_FILE", "STATS_LOCK", "TEMP_PREFIX",
@@ -76,81 +90,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Every name a cache directory holds is spelled here (temp and lock names: fileio, locks).
-ENTRY_SUFFIX = ".acl"
-#: ``v<N>/rank-<rank>/``: a rank's own store under the version directory.
-RANK_PREFIX = "rank-"
-#: A store's lifetime counters (:mod:`.stats`) and the lock that serializes their writers.
-STATS_FILE = "stats.json"
-STATS_LOCK = "stats.lock"
-#: Held by the one process that prunes a store (:mod:`.maintenance`).
-PRUNE_LOCK = "prune.lock"
-
-
-def version_dir(base: Path) -> Path:
-    """Where this format's entries live under a base directory: ``base/v<FORMAT_VERSION>``."""
-    return base / f"v{FORMAT_VERSION}"
-
-
-def ranks(base: Path) -> list[int]:
-    """The ranks that have a rank-local store under ``base``, in order."""
-    out = []
-    with contextlib.suppress(OSError):
-        for d in version_dir(base).iterdir():
-            suffix = d.name[len(RANK_PREFIX):] if d.name.startswith(RANK_PREFIX) else ""
-            if suffix.isdigit() and d.is_dir():  # a link too: the Store refuses it, saying why
-                out.append(int(suffix))
-    return sorted(out)
-
-#: Which file an entry path named: (device, inode, size, modification time in ns). Entries
-#: are replaced by rename, so another write gives another inode; no clock is compared.
-Stamp = tuple[int, int, int, int]
-
-
-#: A stamp as callers keep it (``None``: no file).
-AnyStamp = tuple[int, ...] | None
-
-
-def stamp_of(st: os.stat_result) -> Stamp:
-    """The :data:`Stamp` of a ``stat`` result."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def default_directory() -> Path:
-    """``platformdirs.user_cache_dir("asyncclcache")``, absolute; ``ValueError`` where it
-    is not known (no home directory: set ``ASYNCCLCACHE_DIR``)."""
-    import platformdirs
-
-    from .config import absolute_path
-
-    return Path(absolute_path(platformdirs.user_cache_dir("asyncclcache"),
-                              "the default cache directory (set ASYNCCLCACHE_DIR)"))
-
-
-@dataclass(frozen=True)
-class ReadResult:
-    """What :meth:`Store.read` found: an ``entry`` (and its bytes ``data``), nothing
-    (both ``None``, no ``problem``: a miss), or a ``problem``. ``insecure``: the problem
-    is a link or another user's file, not ours to delete."""
-
-    path: Path
-    entry: Entry | None = None
-    problem: str | None = None
-    insecure: bool = False
-    stat: os.stat_result | None = None
-    data: bytes | None = None
-
-
-def check_data(key: str, data: bytes) -> Entry:
-    """Decode and check the bytes of the entry for ``key``: format, checksum, metadata,
-    key, and that every stored path is a plain name. Raises :class:`EntryFormatError`."""
-    entry = decode(data)
-    if entry.key != key:
-        raise EntryFormatError("holds another key")
-    problem = layout_problem(entry)
-    if problem is not None:
-        raise EntryFormatError(problem)
-    return entry
+#: Seconds between two looks for :data:`~.shared.BAKED_MARK` while a process has not seen it.
+BAKED_RECHECK = 60.0
 
 
 class PublishResult(enum.Enum):
@@ -200,7 +141,14 @@ class Store:
             root = root / f"{RANK_PREFIX}{self.rank}"
         self.base = base
         self.root = root
+        #: The entry files under ``root``: names, stamps, reading one.
+        self.shared = SharedDir(root)
         self.problem: str | None = None
+        self._dirs_lock = threading.Lock()
+        #: Whether the directory holds baked binaries (:meth:`may_have_baked`), and when to
+        #: look again while it seemed not to.
+        self._baked_seen = False
+        self._baked_next = 0.0
         self.missing = False
         #: Entries are read but never written (the directory is not writable).
         self.read_only = False
@@ -211,7 +159,7 @@ class Store:
             if node_copies is None:
                 node_copies = cfg.node_copies if cfg.node_copies is not None else self.rank is not None
             if node_copies and not self.rank_local and self.enabled:
-                self.node = NodeCopies(self.root, node_base(cfg.node_dir, cfg.test_node), count,
+                self.node = NodeCopies(self.shared, node_base(cfg.node_dir, cfg.test_node), count,
                                        cfg.node_max_size)
         elif not self.root.is_dir():
             self.missing = True
@@ -226,9 +174,10 @@ class Store:
 
     def _open(self) -> None:
         try:
-            # Missing parents (a fresh account's ~/.cache) are made like ``mkdir -p``.
-            self.base.parent.mkdir(parents=True, exist_ok=True)
-            self._make_dirs()
+            if not self._there():
+                # Missing parents (a fresh account's ~/.cache) are made like ``mkdir -p``.
+                self.base.parent.mkdir(parents=True, exist_ok=True)
+                self._make_dirs()
             if not os.access(self.root, os.W_OK | os.X_OK):
                 if not os.access(self.root, os.R_OK | os.X_OK):
                     raise PermissionError(errno.EACCES, "not readable", str(self.root))
@@ -266,21 +215,35 @@ class Store:
         """True when entries can be written (usable and not read-only)."""
         return self.problem is None and not self.read_only
 
-    def _make_dirs(self, fanout: Path | None = None) -> None:
-        # Again before each write: another process may have removed the directory.
+    def _there(self) -> bool:
+        """Whether the tree is there already, ours and private: then nothing is made (one
+        ``lstat``, where thousands of ranks start against one metadata server). Its
+        parents were checked when it was made; a process with a fresh tree checks them."""
+        try:
+            st = os.lstat(self.root)
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            return False  # a link, a file: _make_dirs says what
+        return insecure(st) is None
+
+    def _make_dirs(self) -> None:
         make_private_dir(self.base, follow=True)
-        dirs = [version_dir(self.base), self.root]
-        if fanout is not None:
-            dirs.append(fanout)
-        for d in dict.fromkeys(dirs):
+        for d in dict.fromkeys([version_dir(self.base), self.root]):
             make_private_dir(d)
 
-    def _fanout(self, key: str) -> Path:
-        return self.root / key[:2]
+    def _fanout_ready(self, fanout: Path) -> None:
+        """``fanout`` checked before each write (one ``lstat``: writes are one a program), made
+        where missing; the whole tree again where another process removed it meanwhile."""
+        try:
+            make_private_dir(fanout)
+        except FileNotFoundError:
+            self._make_dirs()
+            make_private_dir(fanout)
 
     def path_for(self, key: str) -> Path:
         """Where the entry for ``key`` lives."""
-        return self._fanout(key) / (key + ENTRY_SUFFIX)
+        return self.shared.path_for(key)
 
     # }}}
 
@@ -301,7 +264,8 @@ class Store:
         so that a writer can tell later, without a clock, whether the file was replaced.
         What it refused counts as found, as its removal left it (nothing, or a link, a
         directory, another user's file): the write that follows replaces it."""
-        r = self.read(key) if self.node is None else self._read_near(key, self.node)
+        # One way down: this node's copies in front of the shared files, where they serve.
+        r = self.node.read(key) if self.node is not None else self.read(key)
         if r.problem is not None:
             self._reject(r.path, r.problem, r.stat, insecure=r.insecure)
             return None, self.stamp(key)
@@ -312,121 +276,14 @@ class Store:
 
     def stamp(self, key: str) -> Stamp | None:
         """The :func:`stamp_of` of the entry file for ``key`` now; ``None`` if there is none."""
-        try:
-            return stamp_of(os.lstat(self.path_for(key)))
-        except OSError:
-            return None
+        return self.shared.stamp(key)
 
     def read(self, key: str) -> ReadResult:
-        """Read and fully check the entry for ``key`` (format, checksum, key, paths,
-        ownership, links), changing nothing: what :meth:`load`, :meth:`verify` and
-        ``import`` act on. Never raises for the file's content. Thread-safe."""
-        path = self.path_for(key)
-        if not self.enabled:
-            return ReadResult(path)
-        try:
-            # Neither the fan-out directory nor the entry may be a link.
-            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW | CLOEXEC)
-        except OSError as e:
-            # O_DIRECTORY | O_NOFOLLOW on a link fails with ENOTDIR (or ELOOP): tell apart.
-            if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.parent.is_symlink():
-                return ReadResult(path.parent, problem="is a symbolic link", insecure=True)
-            # Otherwise missing or blocked by a file: the writer's problem, not a bad entry.
-            return ReadResult(path)
-        try:
-            # The fan-out directory too: another user's, or one others may write, could
-            # hold a planted entry (checked on read as well as on write).
-            why = insecure(os.fstat(dfd))
-            if why is not None:
-                return ReadResult(path.parent, problem=why, insecure=True)
-            fd = os.open(path.name, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK, dir_fd=dfd)
-        except FileNotFoundError:
-            return ReadResult(path)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                return ReadResult(path, problem="is a symbolic link", insecure=True)
-            return ReadResult(path, problem=f"cannot be read ({e.strerror})")
-        finally:
-            os.close(dfd)
-        st = None
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                return ReadResult(path, problem="is a directory", stat=st)
-            if not stat.S_ISREG(st.st_mode):
-                return ReadResult(path, problem="is not a regular file", stat=st)
-            why = insecure(st)
-            if why is not None:
-                return ReadResult(path, problem=why, insecure=True)
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read()
-        except OSError as e:
-            return ReadResult(path, problem=f"cannot be read ({e.strerror})")
-        finally:
-            os.close(fd)
-        try:
-            return ReadResult(path, entry=check_data(key, data), stat=st, data=data)
-        except EntryFormatError as e:
-            return ReadResult(path, problem=str(e), stat=st)
-
-    def _read_near(self, key: str, node: NodeCopies) -> ReadResult:
-        """:meth:`read`, from this node's copy of the shared file as it is now where there is
-        one (no open in the shared directory); else the shared file, copied for the node's
-        other ranks by the one that holds the node's claim (the others wait for that copy no
-        longer than a read of their own takes, :meth:`.NodeCopies.wait_for`)."""
-        path = self.path_for(key)
-        if not node.enabled:  # its folder failed: nothing to copy to, nor to wait for
-            return self._read_shared(key, node, None)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return ReadResult(path)  # a miss, and nothing opened
-        except OSError:
-            st = None
-        # The shared file's identity names its copy (a link, another user's file: no copy).
-        usable = st is not None and stat.S_ISREG(st.st_mode) and insecure(st) is None
-        stamp = stamp_of(st) if st is not None and usable else None
-
-        def from_copy(data: bytes | None) -> ReadResult | None:
-            # The copy, checked as the shared entry is.
-            if data is None or stamp is None:
-                return None
-            try:
-                entry = check_data(key, data)
-            except EntryFormatError as e:
-                node.drop(key, stamp, str(e))
-                return None
-            node.count("node_reads")
-            return ReadResult(path, entry=entry, stat=st, data=data)
-
-        near = None if stamp is None else from_copy(node.copy(key, stamp))
-        if near is not None:
-            return near
-        claim = node.claim(key)
-        if claim is None and stamp is not None:
-            # Another rank of the node is copying it: its copy, if it comes within the time
-            # a read of our own would take.
-            data, claim = node.wait_for(key, stamp)
-            near = from_copy(data)
-            if near is not None:
-                return near
-        return self._read_shared(key, node, claim)
-
-    def _read_shared(self, key: str, node: NodeCopies, claim: Claim | None) -> ReadResult:
-        """:meth:`read` of the shared file, counted; under the node's ``claim``, left as the
-        node's copy. Releases ``claim``."""
-        try:
-            t0 = time.monotonic()
-            r = self.read(key)  # and what is wrong with the file, as without copies
-            if r.data is not None:
-                node.read_took(time.monotonic() - t0)
-                node.count("shared_reads")
-            if claim is not None and r.entry is not None and r.data is not None and r.stat is not None:
-                node.write(key, stamp_of(r.stat), r.data)
-        finally:
-            if claim is not None:
-                claim.release()
-        return r
+        """Read and fully check the entry for ``key`` in the shared directory (format,
+        checksum, key, paths, ownership, links), changing nothing: what :meth:`load`,
+        :meth:`verify` and ``import`` act on. Never raises for the file's content.
+        Thread-safe."""
+        return self.shared.read(key) if self.enabled else ReadResult(self.path_for(key))
 
     def _reject(
         self, path: Path, why: str, st: os.stat_result | None, *, insecure: bool = False
@@ -469,15 +326,24 @@ class Store:
         """
         if not self.writable:
             return None
-        directory = self._fanout(key)
-        self._make_dirs(directory)
-        claim = take(key, directory / (key + LOCK_SUFFIX))
-        if claim is not None and unless_written_since is not None:
+
+        def written() -> bool:
+            if unless_written_since is None:
+                return False
             seen, ours = unless_written_since
             now = self.stamp(key)
-            if now is not None and (now != seen or now == ours):
-                claim.release()
-                return None
+            return now is not None and (now != seen or now == ours)
+
+        # Before the lock too: where ranks build the same programs, most find the entry
+        # written by then (one lstat, instead of taking and giving back a lock).
+        if written():
+            return None
+        directory = self.shared.fanout(key)
+        self._fanout_ready(directory)
+        claim = take(key, directory / (key + LOCK_SUFFIX))
+        if claim is not None and written():
+            claim.release()
+            return None
         return claim
 
     def publish(
@@ -492,16 +358,19 @@ class Store:
         called with the temp path before the data is written (tests widen the
         window with it).
         """
-        return self._publish(entry.key, encode(entry), claim, write_hook)
+        baked = entry.meta.baked_from is not None
+        return self._publish(entry.key, encode(entry), claim, write_hook, baked=baked)
 
     def publish_encoded(self, key: str, data: bytes, *, claim: Claim | None = None) -> PublishResult:
         """As :meth:`publish`, for an entry's bytes as stored (``import``): checked with
         :func:`check_data` first, so a damaged one raises ``EntryFormatError`` and is
         never written."""
-        check_data(key, data)
-        return self._publish(key, data, claim, None)
+        entry = check_data(key, data)
+        return self._publish(key, data, claim, None, baked=entry.meta.baked_from is not None)
 
-    def _publish(self, key: str, data: bytes, claim: Claim | None, write_hook: Any) -> PublishResult:
+    def _publish(
+        self, key: str, data: bytes, claim: Claim | None, write_hook: Any, *, baked: bool,
+    ) -> PublishResult:
         if not self.writable:
             return PublishResult.DISABLED
         own = claim is None
@@ -511,14 +380,48 @@ class Store:
                 return PublishResult.SKIPPED
         try:
             self._clear_way(key)
-            atomic_write(self._fanout(key), self.path_for(key), data, write_hook)
+            atomic_write(self.shared.fanout(key), self.path_for(key), data, write_hook)
             claim.written = self.stamp(key)
             if self.node is not None and claim.written is not None:
                 self.node.put(key, claim.written, data)  # this node's ranks read it from here
         finally:
             if own:
                 claim.release()
+        if baked:
+            self.mark_baked()
         return PublishResult.WRITTEN
+
+    def mark_baked(self) -> None:
+        """Say that this directory holds baked binaries (:data:`~.shared.BAKED_MARK`), so
+        that hits look for them. Never raises."""
+        with self._dirs_lock:
+            if self._baked_seen:
+                return
+        path = self.root / BAKED_MARK
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | NOFOLLOW | CLOEXEC | NONBLOCK, 0o600))
+            with self._dirs_lock:
+                self._baked_seen = True
+
+    def may_have_baked(self) -> bool:
+        """Whether this directory may hold baked binaries: without :data:`~.shared.BAKED_MARK`
+        no hit looks for one (one ``lstat`` a process, again every :data:`BAKED_RECHECK`
+        seconds while it is missing: a bake during the run). Thread-safe."""
+        now = time.monotonic()
+        with self._dirs_lock:
+            if self._baked_seen:
+                return True
+            if now < self._baked_next:
+                return False
+            self._baked_next = now + BAKED_RECHECK
+        try:
+            there = stat.S_ISREG(os.lstat(self.root / BAKED_MARK).st_mode)
+        except OSError:
+            there = False
+        if there:
+            with self._dirs_lock:
+                self._baked_seen = True
+        return there
 
     def _clear_way(self, key: str) -> None:
         """Under ``key``'s claim: a directory where its entry file belongs (a rename cannot
