@@ -573,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
                          "and the number of cores)")
     ap.add_argument("--node-ranks", default="4,16,64", type=lambda t: [int(x) for x in t.split(",")],
                     help="nodes section: rank counts (default 4,16,64; 8 ranks a simulated node)")
+    ap.add_argument("--fill", type=int, default=1000,
+                    help="nodes section: other entries in the shared directory first (default 1000)")
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="nodes section: ranks a simulated node (default 8, at least 2 nodes)")
     ap.add_argument("--n", type=int, default=1000,
@@ -696,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
             use(modes)
             R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
                                              lambda res: save("nodes", res), reps=min(reps, 3),
-                                             per_node=args.ranks_per_node)
+                                             per_node=args.ranks_per_node, fill=args.fill)
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", flush=True)
     finally:

@@ -475,7 +475,8 @@ def _sum(rows: list[dict[str, Any]], name: str) -> int:
 
 
 def _mpijob(tmp_path: Path, n: int, job: str, programs: int, nodes: int = 1, *, mpi: bool = False,
-            strace: Path | None = None, **env: str) -> tuple[list[dict[str, Any]], str]:
+            strace: Path | None = None, strace_calls: str = "open,openat",
+            **env: str) -> tuple[list[dict[str, Any]], str]:
     exe = _mpiexec()
     if exe is None:
         pytest.skip("MPI cannot start here (no mpiexec: pip install '.[mpi]')")
@@ -484,7 +485,7 @@ def _mpijob(tmp_path: Path, n: int, job: str, programs: int, nodes: int = 1, *, 
     argv = [exe, "-n", str(n), sys.executable, str(ROOT / "tests" / "_rankjob.py"), str(out), job,
             str(programs), *(["mpi"] if mpi else [])]
     if strace is not None:
-        argv = ["strace", "-f", "-y", "-qq", "-e", "trace=open,openat", "-o", str(strace), *argv]
+        argv = ["strace", "-f", "-y", "-qq", "-e", f"trace={strace_calls}", "-o", str(strace), *argv]
     r = subprocess.run(argv, capture_output=True, text=True, env=_job_env(tmp_path, nodes, **env),
                        timeout=600, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -633,5 +634,79 @@ def test_slurm_a_rank_killed_in_the_middle(slurm, tmp_path) -> None:
     assert _sum(after, "hits") + _sum(after, "misses") == 12
     assert len(_entries(tmp_path)) == 3
 
+
+# }}}
+
+
+# {{{ issue 34: O(1) operations a rank on the shared directory, whatever it holds
+
+
+def _shared_ops(trace: Path, shared: str) -> dict[str, list[str]]:
+    """Each system call on the shared directory in a job's trace (strace -f -y), by name."""
+    out: dict[str, list[str]] = {}
+    for line in trace.read_text(errors="replace").splitlines():
+        if shared not in line or "resumed>" in line or " execve(" in line:
+            continue
+        m = re.match(r"\s*\d*\s*(\w+)\(", line)
+        out.setdefault(m.group(1) if m else "?", []).append(line)
+    return out
+
+
+def _fill(shared: Path, n: int) -> None:
+    """``n`` entries of another program in the shared directory, kept in order within the
+    hour, as a cache in use is."""
+    from asyncclcache.stats import add_lifetime
+
+    store = Store(shared, rank_local=False, node_copies=False)
+    for i in range(n):
+        store.publish(make_entry(key_of(f"filler {i}"), b"x" * 500))
+    add_lifetime(store.root, {"runs": 1, "hits": n})  # its processes counted
+    maintenance.upkeep(store)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="counting operations needs strace")
+def test_mpi_a_job_neither_lists_nor_makes_the_shared_directory_and_counts_every_rank(tmp_path) -> None:
+    from asyncclcache.stats import read_lifetime
+
+    shared = tmp_path / "shared"
+    _fill(shared, 300)
+    root = str(shared / "v1")
+    for job in ("cold", "warm"):
+        trace = tmp_path / f"strace-{job}"
+        rows, _ = _mpijob(tmp_path, 6, job, 3, nodes=2, strace=trace, strace_calls="%file,%desc")
+        ops = _shared_ops(trace, str(shared))
+        # No listing, no tree made again, no lock on the lifetime counters, no fsync but a
+        # written entry's: per rank, what its own programs need.
+        assert "getdents64" not in ops and "mkdir" not in ops, {k: len(v) for k, v in ops.items()}
+        assert not any("stats.lock" in ln for v in ops.values() for ln in v)
+        if job == "warm":
+            assert [r["stats"]["hits"] for r in rows] == [3] * 6
+            assert "fsync" not in ops and "flock" not in ops and "unlink" not in ops, ops.keys()
+            # A rank: its lookups (one stat a program) and a few more; a node reads each entry once.
+            shared_reads = _sum(rows, "shared_reads")
+            assert sum(map(len, ops.values())) <= 6 * (3 + 8) + shared_reads * 12, {k: len(v) for k, v in ops.items()}
+    assert read_lifetime(root)["runs"] == 1 + 12  # every rank of both jobs, none waited for another
+
+
+def test_a_killed_writers_files_go_within_the_interval_not_at_every_job(tmp_path) -> None:
+    from asyncclcache.fileio import HOST
+
+    shared = tmp_path / "shared"
+    _fill(shared, 20)
+    store = Store(shared, rank_local=False, node_copies=False)
+    fanout = store.path_for(key_of("filler 0")).parent
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    planted = [fanout / f".tmp-{HOST}-{int(dead.stdout)}-killed.partial", fanout / (key_of("gone") + ".lock")]
+    for p in planted:
+        p.write_bytes(b"")
+    _mpijob(tmp_path, 2, "fresh", 2)  # kept in order within the hour: left for the upkeep
+    assert all(p.exists() for p in planted)
+    stamp = shared / "v1" / "upkeep.json"
+    old = time.time() - maintenance.UPKEEP_INTERVAL - 60
+    os.utime(stamp, (old, old))
+    _mpijob(tmp_path, 2, "later", 3)  # the first to write, an interval later, keeps it
+    assert not any(p.exists() for p in planted)
+    assert not maintenance.last_upkeep(Store(shared, rank_local=False, node_copies=False)).due
 
 # }}}

@@ -254,3 +254,93 @@ def test_orphan_rules_for_temp_files(store: Store) -> None:
 
 
 # }}}
+
+
+# {{{ issue 34: no scan of the shared directory on a job's way; the upkeep once an interval
+
+
+def _plant_orphans(store: Store) -> list[Path]:
+    """A killed writer's temp file (its PID gone) and a lock file nobody holds."""
+    from asyncclcache.fileio import HOST
+
+    key = key_of("orphans")
+    store.publish(make_entry(key))
+    fanout = store.path_for(key).parent
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    temp = fanout / f"{TEMP_PREFIX}{HOST}-{int(dead.stdout)}-abc{TEMP_SUFFIX}"
+    temp.write_bytes(b"half an entry")
+    lock = fanout / (key_of("another") + LOCK_SUFFIX)
+    lock.write_bytes(b"")
+    return [temp, lock]
+
+
+def test_the_upkeep_is_due_once_an_interval_by_the_stamp(store: Store) -> None:
+    assert maintenance.last_upkeep(store).due  # never kept in order
+    planted = _plant_orphans(store)
+    r = maintenance.upkeep(store)
+    assert r.ran and not any(p.exists() for p in planted)
+    seen = maintenance.last_upkeep(store, want_size=True)
+    assert not seen.due and seen.bytes == store.total_bytes()
+    stamp = store.root / "upkeep.json"
+    now = stamp.stat().st_mtime
+    for age, due in ((maintenance.UPKEEP_INTERVAL + 60, True), (60, False),
+                     (-(maintenance.UPKEEP_INTERVAL + 60), True)):  # a clock far ahead: due, never stuck
+        os.utime(stamp, (now - age, now - age))
+        assert maintenance.last_upkeep(store).due is due, age
+
+
+def test_an_upkeep_another_process_just_did_is_not_done_again(store: Store) -> None:
+    seen = maintenance.last_upkeep(store)
+    assert maintenance.upkeep(store).ran  # another process, meanwhile
+    planted = _plant_orphans(store)
+    assert not maintenance.upkeep(store, seen=seen).ran  # not listed again
+    assert all(p.exists() for p in planted)
+    # Unless what it measured plus what the caller wrote since crosses the bound.
+    measured = maintenance.last_upkeep(store, want_size=True).bytes
+    assert measured is not None
+    assert maintenance.upkeep(store, seen=seen, max_size=measured, wrote=1).ran
+
+
+def test_a_held_upkeep_is_skipped_not_waited_for(store: Store) -> None:
+    from asyncclcache.locks import file_lock
+
+    with file_lock(store.root / "prune.lock", 0):
+        assert not maintenance.upkeep(store).ran
+    assert maintenance.upkeep(store).ran
+
+
+def test_the_upkeep_folds_the_lifetime_additions(store: Store) -> None:
+    from asyncclcache.stats import add_lifetime, read_lifetime
+
+    for _ in range(5):
+        assert add_lifetime(store.root, {"hits": 2, "runs": 1})
+    assert read_lifetime(store.root)["hits"] == 10
+    assert len(list((store.root / "stats.d").iterdir())) == 5
+    assert maintenance.upkeep(store).ran
+    assert list((store.root / "stats.d").iterdir()) == []
+    assert (read_lifetime(store.root)["hits"], read_lifetime(store.root)["runs"]) == (10, 5)
+
+
+def test_a_process_that_finds_the_tree_makes_none_of_it(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[str] = []
+    real = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda p, *a, **k: (made.append(str(p)), real(p, *a, **k))[1])
+    again = Store(store.base)
+    key = key_of("written twice")
+    again.publish(make_entry(key))  # a new fan-out directory: made, once
+    again.publish(make_entry(key))
+    Store(store.base).publish(make_entry(key))
+    assert made == [str(again.path_for(key).parent)]
+
+
+def test_a_directory_without_baked_binaries_is_not_searched_for_one(store: Store) -> None:
+    from asyncclcache.keys import baked_key
+
+    key = key_of("kcache")
+    assert not store.may_have_baked()
+    store.publish(make_entry(baked_key(key), baked_from=key, kind="binary"))
+    assert store.may_have_baked()
+    assert Store(store.base).may_have_baked()  # another process: from the mark
+
+# }}}

@@ -32,12 +32,11 @@ from functools import lru_cache
 
 from ._flags import parse_bool
 from .errors import RemovedStrategyWarning
-from .nodecopies import DEFAULT_MAX_BYTES
 from .ranks import TEST_NODE_ENV
 
 __all__ = [
-    "BAKE_MODES", "RETIRED_STRATEGIES", "STRATEGIES", "Config", "absolute_path", "get_config", "parse_bool",
-    "parse_size", "strategy_in_use",
+    "BAKE_MODES", "DEFAULT_NODE_MAX_BYTES", "RETIRED_STRATEGIES", "STRATEGIES", "Config", "absolute_path",
+    "get_config", "parse_bool", "parse_size", "strategy_in_use",
 ]
 
 STRATEGIES = ("auto", "kcache", "thread")
@@ -67,6 +66,9 @@ def strategy_in_use(name: str) -> str:
                       RemovedStrategyWarning, stacklevel=3)
     return "auto"
 BAKE_MODES = ("off", "idle")
+#: Default bound of a user's node-local copies on a node, every shared directory's
+#: (``ASYNCCLCACHE_NODE_MAX_SIZE``; :mod:`.nodecopies`).
+DEFAULT_NODE_MAX_BYTES = 2 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -119,7 +121,7 @@ class Config:
     rank_local: bool | None = None
     node_copies: bool | None = None
     node_dir: str | None = None
-    node_max_size: int | None = DEFAULT_MAX_BYTES
+    node_max_size: int | None = DEFAULT_NODE_MAX_BYTES
     #: Test-only: a simulated node's name (:data:`.ranks.TEST_NODE_ENV`).
     test_node: str | None = None
     strategy: str = "auto"
@@ -156,7 +158,7 @@ class Config:
             raise ValueError(f"ASYNCCLCACHE_MAX_SIZE: {err}") from None
         try:
             raw = e.get("ASYNCCLCACHE_NODE_MAX_SIZE") or None  # empty: unset
-            node_max_size = DEFAULT_MAX_BYTES if raw is None else parse_size(raw)
+            node_max_size = DEFAULT_NODE_MAX_BYTES if raw is None else parse_size(raw)
         except ValueError as err:
             raise ValueError(f"ASYNCCLCACHE_NODE_MAX_SIZE: {err}") from None
         return cls(

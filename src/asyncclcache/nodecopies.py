@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import DEFAULT_NODE_MAX_BYTES
 from .entry import EntryFormatError
 from .errors import NodeDirWarning
 from .fileio import (
@@ -63,12 +64,10 @@ from .fileio import (
 from .locks import LOCK_SUFFIX, Claim, take
 from .shared import ReadResult, SharedDir, Stamp, check_data, stamp_of
 
-__all__ = ["DEFAULT_MAX_BYTES", "NodeCopies", "NodePlace", "NodeStorage", "node_base"]
+__all__ = ["NodeCopies", "NodePlace", "NodeStorage", "node_base"]
 
 logger = logging.getLogger(__name__)
 
-#: Default bound of a user's copies on a node, every shared directory's (``ASYNCCLCACHE_NODE_MAX_SIZE``).
-DEFAULT_MAX_BYTES = 2 << 30
 #: A rank that finds another copying an entry waits for that copy at most twice as long as its
 #: own reads of the shared directory took (the first: :data:`FIRST_WAIT`), within these bounds
 #: (seconds), then reads the shared entry itself: never longer than the read it saves, so a
@@ -168,8 +167,8 @@ class NodeCopies:
     reads through :meth:`read`, which reads ``shared`` itself where this node has no copy.
     ``count`` is the counters' ``add``. Thread- and process-safe."""
 
-    def __init__(self, shared: SharedDir, where: NodePlace,
-                 count: Callable[[str], None] | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, shared: SharedDir, where: NodePlace, count: Callable[[str], None] | None = None,
+                 max_bytes: int | None = DEFAULT_NODE_MAX_BYTES) -> None:
         self.shared = shared
         self.base = where.base
         self.root = where.base / hashlib.sha256(str(shared.root).encode()).hexdigest()[:ROOT_DIGITS]
