@@ -10,7 +10,7 @@ Layout::
                                              <key[:2]>/<key>.lock   lock while writing
                                              <key[:2]>/.tmp-<pid>-*.partial
                                              stats.json, stats.lock, stats.d/
-                                             upkeep.json, prune.lock, baked
+                                             upkeep.json, prune.lock, baked.mark
 
 Thread- and process-safe: nothing here keeps state but the root's path.
 """
@@ -50,7 +50,7 @@ PRUNE_LOCK = "prune.lock"
 UPKEEP_FILE = "upkeep.json"
 #: There since a baked binary was first written here (:mod:`.bake`): without it, no hit
 #: looks for one (a metadata request a hit saved).
-BAKED_MARK = "baked"
+BAKED_MARK = "baked.mark"
 
 
 def version_dir(base: Path) -> Path:
