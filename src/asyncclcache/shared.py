@@ -191,14 +191,15 @@ class SharedDir:
 
 
 def _read_all(fd: int, size: int) -> bytes:
-    """The file's bytes: one ``read`` of its size and one that finds its end (no buffered
-    file object: its ``fstat``, ``ioctl`` and ``lseek`` are requests on a shared file
-    system too); more where it grew meanwhile."""
+    """The file's ``size`` bytes, in one ``read`` (no buffered file object: its ``fstat``,
+    ``ioctl`` and ``lseek`` are requests on a shared file system too). An entry is never
+    written in place (a new one is renamed over it), so its size is its ``fstat``'s; a
+    short or a longer file fails its checksum."""
     chunks = []
-    want = size + 1
-    while True:
-        chunk = os.read(fd, max(want, 1 << 16))
+    while size > 0:
+        chunk = os.read(fd, size)
         if not chunk:
-            return b"".join(chunks)
+            break
         chunks.append(chunk)
-        want = 1 << 16
+        size -= len(chunk)
+    return b"".join(chunks)
