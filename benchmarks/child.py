@@ -58,7 +58,7 @@ def _write(path: str, data: dict[str, Any]) -> None:
 
 def _count_entries(directory: str | None) -> int | None:
     # Not where the parent counts operations on the directory (nodes): a listing is its own.
-    if not directory or not os.path.isdir(directory) or SPEC.get("count_entries") is False:
+    if not directory or SPEC.get("count_entries") is False or not os.path.isdir(directory):
         return None
     return sum(1 for _ in Path(directory).rglob("*.acl"))
 

@@ -112,14 +112,14 @@ def _runs(acc_dir: str) -> int:
 
 
 def project(ops: list[int], ranks: int, nodes: int, to_ranks: int, per_node: int = PROJECT_PER_NODE) -> float:
-    """Operations a rank in a job of ``to_ranks`` ranks (``per_node`` a node), from a job's
-    per-rank ``ops``: the median rank's are the per-rank term; the rest (the ranks that read
-    for their node, the writes of the programs) is a per-node term, which is conservative
-    for the writes (once a job, whatever the node count)."""
+    """Operations of a whole job of ``to_ranks`` ranks (``per_node`` a node) on the shared
+    directory, from a job's per-rank ``ops``: the median rank's are the per-rank term; the
+    rest (the ranks that read for their node, the writes of the programs) is a per-node term,
+    which is conservative for the writes (once a job, whatever the node count)."""
     rank = statistics.median(ops)
     node = (sum(ops) - ranks * rank) / nodes
     to_nodes = -(-to_ranks // per_node)
-    return (to_ranks * rank + to_nodes * node) / to_ranks
+    return to_ranks * rank + to_nodes * node
 
 
 def measure_nodes(runner: Any, ranks: list[int], modes: list[str], log: Callable[[str], None],
@@ -181,7 +181,7 @@ def measure_nodes(runner: Any, ranks: list[int], modes: list[str], log: Callable
                 files_t = sorted(Path(trace).parent.glob("t.*"), key=lambda p: int(p.suffix[1:]))
                 one[f"{phase}_ops"], one[f"{phase}_ops_by_call"] = _ops(files_t, acc_dir)
                 one[f"{phase}_ops_projected"] = {
-                    str(n): round(project(one[f"{phase}_ops"], R, N, n, per_node or PROJECT_PER_NODE), 1)
+                    str(n): round(project(one[f"{phase}_ops"], R, N, n, per_node or PROJECT_PER_NODE))
                     for n in PROJECT_RANKS}
             if traces["warm"] is not None:
                 one["warm_opens"] = _opens(sorted(Path(traces["warm"]).parent.glob("t.*")), acc_dir)
@@ -256,11 +256,11 @@ def table_md(res: dict[str, Any]) -> str:
     if ops_rows:
         fill = res.get("fill", 0)
         md += ["", f"Every operation on the shared directory (strace `%file,%desc`), a rank, with {fill} "
-               "other entries in it: mean / median rank, and projected a rank for a job of 1,000 and "
+               "other entries in it: mean / median rank, and projected for a whole job of 1,000 and "
                f"10,000 ranks ({PROJECT_PER_NODE} a node; the median rank's operations a rank, the rest "
                "a node). The lifetime `runs` counted, against the processes run; the longest exit of a rank.",
-               "", "| R / N | mode | cold a rank: mean / median | cold, projected 1k / 10k | warm a rank: mean / "
-               "median | warm, projected 1k / 10k | runs counted / run | longest exit |",
+               "", "| R / N | mode | cold a rank: mean / median | cold job, projected 1k / 10k ranks | warm a "
+               "rank: mean / median | warm job, projected 1k / 10k ranks | runs counted / run | longest exit |",
                "|" + "---|" * 8]
         for R, row, m in ops_rows:
             c = row[m]
@@ -269,7 +269,7 @@ def table_md(res: dict[str, Any]) -> str:
                 return f"{statistics.mean(xs):.1f} / {statistics.median(xs):.0f}"
 
             def pj(d: dict[str, float] | None) -> str:
-                return " / ".join(f"{v:.1f}" for v in (d or {}).values()) or "-"
+                return " / ".join(f"{v:,.0f}" for v in (d or {}).values()) or "-"
 
             md.append(f"| {R} / {row.get('nodes')} | {m} | {mm(c['cold_ops'])} "
                       f"| {pj(c.get('cold_ops_projected'))} | {mm(c['warm_ops'])} "
