@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 __all__ = ["Built", "Cache", "Stats", "Step", "close_all", "default_cache", "exit_interrupted", "step"]
 
 logger = logging.getLogger(__name__)
+#: ``flush()`` saves the lifetime counters at most this often (seconds); ``close()`` always.
+SAVE_EVERY = 60.0
 
 #: Bytes of entries kept in memory for repeated builds in one process.
 MEMORY_BUDGET = 64 << 20
@@ -290,7 +292,7 @@ class Cache:
         self._pipeline.refresh()
         done = self._pipeline.wait(timeout)
         errors = self._pipeline.take_errors()
-        self._save_lifetime()
+        self._save_lifetime(not_within=SAVE_EVERY)
         if errors and self.failure_fatal:
             raise BackgroundError(f"{len(errors)} background failure(s): {errors[0]!r}") from errors[0]
         return done
@@ -596,9 +598,9 @@ class Cache:
         # The store's counts; the counters are made anew in a forked child.
         self._counters.add(name)
 
-    def _save_lifetime(self) -> None:
+    def _save_lifetime(self, not_within: float = 0.0) -> None:
         if self.store.writable:
-            self._counters.save_lifetime(self.store.root)
+            self._counters.save_lifetime(self.store.root, not_within=not_within)
 
     def _background_error(self, error: BaseException) -> None:
         self._pipeline.error(error)

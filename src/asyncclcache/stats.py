@@ -141,6 +141,7 @@ class Counters:
         self._lock = threading.Lock()
         self._values: dict[str, float] = {f.name: 0 for f in fields(Stats)}
         self._saved: dict[str, float] = {}  # what the lifetime file already holds
+        self._saved_at: float | None = None  # time.monotonic() of the last save
 
     def add(self, name: str, n: float = 1) -> None:
         """Add ``n`` to the counter ``name`` (a :class:`Stats` field)."""
@@ -152,10 +153,14 @@ class Counters:
         with self._lock:
             return Stats.from_values(dict(self._values, pending=pending))
 
-    def save_lifetime(self, root: str | os.PathLike[str]) -> None:
+    def save_lifetime(self, root: str | os.PathLike[str], *, not_within: float = 0.0) -> None:
         """Add what was counted since the last save to ``root``'s lifetime counters (a
-        file of its own: no lock, nothing waited for; a failed write means: next time)."""
+        file of its own: no lock, nothing waited for; a failed write means: next time).
+        Not again within ``not_within`` seconds of the last save (a program that flushes
+        every step makes one file a minute, not one a step)."""
         with self._lock:
+            if not_within and self._saved_at is not None and time.monotonic() - self._saved_at < not_within:
+                return
             now = {k: v for k, v in self._values.items() if k in LIFETIME_FIELDS}
             deltas = {k: v - self._saved.get(k, 0) for k, v in now.items()}
             first = not self._saved
@@ -166,6 +171,7 @@ class Counters:
         if add_lifetime(root, deltas):
             with self._lock:
                 self._saved = now
+                self._saved_at = time.monotonic()
 
 
 #: Every counter: ``runs`` (lifetime only: the processes that saved counters here), then
