@@ -170,7 +170,6 @@ class NodeCopies:
     def __init__(self, shared: SharedDir, where: NodePlace, count: Callable[[str], None] | None = None,
                  max_bytes: int | None = DEFAULT_NODE_MAX_BYTES) -> None:
         self.shared = shared
-        self.base = where.base
         self.root = where.base / hashlib.sha256(str(shared.root).encode()).hexdigest()[:ROOT_DIGITS]
         self.count = count if count is not None else (lambda name: None)
         #: Every copy on the node, this directory's and others': kept in order at exit.
