@@ -39,10 +39,12 @@ __all__ = [
     "atomic_writer",
     "fanout_dirs",
     "fanout_files",
+    "hex_dirs",
     "insecure",
     "listed",
     "make_private_dir",
     "nofollow_opener",
+    "read_small",
     "temp_prefix",
     "temp_writer",
     "unlink_if_same",
@@ -228,17 +230,37 @@ class StoredEntry:
     atime: float
 
 
-def fanout_dirs(root: Path) -> Iterator[Path]:
-    """The ``XX/`` directories (two hex digits; not links) under ``root``."""
+def hex_dirs(root: Path, digits: int) -> Iterator[Path]:
+    """The directories (not links) under ``root`` named by ``digits`` hex digits, in order."""
     try:
         names = sorted(os.listdir(root))
     except OSError:
         return
     for name in names:
-        if len(name) == 2 and all(c in "0123456789abcdef" for c in name):
+        if len(name) == digits and all(c in "0123456789abcdef" for c in name):
             p = root / name
             if p.is_dir() and not p.is_symlink():
                 yield p
+
+
+def fanout_dirs(root: Path) -> Iterator[Path]:
+    """The ``XX/`` directories (two hex digits; not links) under ``root``."""
+    return hex_dirs(root, 2)
+
+
+def read_small(path: Path, limit: int) -> bytes | None:
+    """At most ``limit`` bytes of the file at ``path`` (no link followed, no buffered file
+    object); ``None`` where it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def fanout_files(root: Path) -> Iterator[tuple[Path, str]]:

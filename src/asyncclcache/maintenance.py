@@ -33,12 +33,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .fileio import (
-    CLOEXEC,
     HOST,
-    NOFOLLOW,
     TEMP_PREFIX,
     TEMP_SUFFIX,
     atomic_write,
+    read_small,
     temp_writer,
     unlink_if_same,
 )
@@ -203,10 +202,8 @@ def last_upkeep(store: Store, *, want_size: bool = False) -> Upkept:
     due = not (-UPKEEP_INTERVAL < age < UPKEEP_INTERVAL)
     size = None
     if want_size:
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                value = json.loads(f.read(4096)).get("bytes")
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            value = json.loads(read_small(path, 4096) or b"").get("bytes")
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 size = value
     return Upkept(due, size, st.st_mtime_ns)

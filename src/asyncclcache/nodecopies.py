@@ -57,6 +57,7 @@ from .fileio import (
     StoredEntry,
     atomic_write,
     fanout_files,
+    hex_dirs,
     insecure,
     listed,
     make_private_dir,
@@ -136,15 +137,7 @@ class NodeStorage:
 
     def roots(self) -> Iterator[Path]:
         """The folders of each shared directory's copies (named by its digest; not links)."""
-        try:
-            names = sorted(os.listdir(self.root))
-        except OSError:
-            return
-        for name in names:
-            if len(name) == ROOT_DIGITS and all(c in "0123456789abcdef" for c in name):
-                p = self.root / name
-                if p.is_dir() and not p.is_symlink():
-                    yield p
+        return hex_dirs(self.root, ROOT_DIGITS)
 
     def files(self) -> Iterator[tuple[Path, str]]:
         """``(path, name)`` of every file in every fan-out directory (copies, locks, temps)."""

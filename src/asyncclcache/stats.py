@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .fileio import CLOEXEC, HOST, NOFOLLOW, atomic_write
+from .fileio import CLOEXEC, HOST, NOFOLLOW, atomic_write, read_small
 from .locks import file_lock
 from .shared import STATS_DIR, STATS_FILE, STATS_LOCK
 
@@ -203,15 +203,8 @@ def _parse(raw: bytes) -> dict[str, float] | None:
 
 
 def _read_file(path: Path) -> dict[str, float] | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return _parse(f.read(1 << 16))
-    except OSError:
-        return None
+    raw = read_small(path, 1 << 16)
+    return None if raw is None else _parse(raw)
 
 
 def _additions(root: Path) -> list[tuple[Path, dict[str, float] | None]]:
