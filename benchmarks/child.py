@@ -12,6 +12,10 @@ numbers as JSON to ``spec["out"]``. Tasks:
   launch of an already compiled small kernel) while binary work runs.
 * ``throughput``: build + launch + check a workload once and exit; run.py times the
   whole process, interpreter exit (asyncclcache's atexit flush) included.
+* ``suite``: a test suite as CI runs it (suite.py): test t, in a new context, builds the
+  ``suite`` programs t-C+1..t (each program in C consecutive tests), launches and checks
+  each kernel; the CPU of the caller's thread in ``build()`` outside the driver's own build
+  call, per build (the cache's own, on top of pyopencl's). Exits as a test run does.
 
 Variants: ``nocache`` (pyopencl, ``PYOPENCL_NO_CACHE=1``), ``default`` (pyopencl as
 installed: on pocl and NVIDIA it leaves caching to the driver's kernel cache),
@@ -65,7 +69,7 @@ def _count_entries(directory: str | None) -> int | None:
 
 def _final_hook() -> None:
     # Registered before asyncclcache is imported, so it runs *after* its atexit close.
-    if SPEC["task"] != "throughput":
+    if SPEC["task"] not in ("throughput", "suite"):
         return
     final = {
         "exit_hook_s": pc() - T_START,
@@ -382,6 +386,67 @@ def task_throughput() -> None:
     # No close(): the process exits and asyncclcache's atexit handler flushes (bounded).
 
 
+def task_suite() -> None:
+    progs = WORKLOADS["suite"](**SPEC.get("workload_args", {}))
+    contexts = int(SPEC.get("contexts", 4))
+    options = ["-I", SPEC["include_dir"]]
+    dev = cl.create_some_context(interactive=False).devices[0]
+    thread_time = time.thread_time
+    in_driver = [0.0]
+    driver_build = cl._cl._Program.build
+
+    def timed_build(self: Any, *a: Any, **k: Any) -> Any:  # the driver's build, source or binary
+        t = thread_time()
+        try:
+            return driver_build(self, *a, **k)
+        finally:
+            in_driver[0] += thread_time() - t
+
+    cl._cl._Program.build = timed_build
+    rng = np.random.default_rng(0)
+    n = 4096
+    a, b = rng.random(n, dtype=np.float32), rng.random(n, dtype=np.float32)
+    c = np.empty_like(a)
+    t0 = pc()
+    if VARIANT.startswith("acc"):
+        cache = _acc_cache()
+        from asyncclcache import Program
+
+        def build(ctx: cl.Context, src: str) -> Any:
+            return Program(ctx, src, cache=cache).build(options)
+    else:
+        def build(ctx: cl.Context, src: str) -> Any:
+            return cl.Program(ctx, src).build(options)
+    in_build = 0.0
+    builds = 0
+    descr: dict[str, int] = {}
+    for t in range(len(progs) + contexts - 1):
+        ctx = cl.Context([dev])
+        queue = cl.CommandQueue(ctx)
+        mf = cl.mem_flags
+        ad = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a)
+        bd = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=b)
+        cd = cl.Buffer(ctx, mf.WRITE_ONLY, a.nbytes)
+        for p in progs[max(0, t - contexts + 1):t + 1]:
+            c0 = thread_time()
+            prg = build(ctx, p.source())
+            in_build += thread_time() - c0
+            builds += 1
+            what = getattr(prg, "_build_duration_info", None)
+            if what:
+                descr[what[0]] = descr.get(what[0], 0) + 1
+            for k in p.kernels:
+                getattr(prg, k.name)(queue, (n,), None, ad, bd, cd)
+                cl.enqueue_copy(queue, c, cd)
+                if not np.allclose(c, p.check(k.name, a, b), rtol=1e-5, atol=1e-5):  # type: ignore[attr-defined]
+                    raise AssertionError(f"wrong result from kernel {k.name}")
+    RESULT.update(work_s=pc() - t0, builds=builds, programs=len(progs), contexts=contexts,
+                  build_descr=descr, own_cpu_ms=1e3 * (in_build - in_driver[0]) / max(1, builds),
+                  driver_cpu_ms=1e3 * in_driver[0] / max(1, builds))
+    RESULT["stats_at_end_of_work"] = _stats()
+    # No close(): the process exits as a test run does (asyncclcache's atexit flush).
+
+
 # }}}
 
 
@@ -392,6 +457,7 @@ def main() -> None:
         "first_result": task_first_result,
         "stall": task_stall,
         "throughput": task_throughput,
+        "suite": task_suite,
     }[task]()
     RESULT["child_s"] = pc() - T_START
     _write(SPEC["out"], RESULT)

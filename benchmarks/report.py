@@ -497,6 +497,11 @@ def render(R: dict[str, Any], plots: list[str]) -> str:
 
         md += ["## Ranks on several nodes, one shared directory", "", nodes.__doc__.split("\n\n", 1)[1].strip(),
                "", nodes.table_md(R["nodes"]), ""]
+    if R.get("suite"):
+        import suite
+
+        md += ["## A test suite in CI", "", suite.__doc__.split("\n\n", 1)[1].strip(), "",
+               suite.table_md(R["suite"]), ""]
     md += ["Columns: " + "; ".join(f"**{HEAD[v]}**: {LEGEND[v]}"
                                    for v in VARIANTS if v in used or (v == "acc-shared" and rt))
            + ".", ""]

@@ -46,7 +46,7 @@ import report  # noqa: E402
 VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-thread"]
 QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked"]
 RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
-SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes"]
+SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "suite"]
 
 
 class Progress:
@@ -577,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="nodes section: other entries in the shared directory first (default 1000)")
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="nodes section: ranks a simulated node (default 8, at least 2 nodes)")
+    ap.add_argument("--suite-programs", type=int, default=40,
+                    help="suite section: programs, each built in 4 consecutive tests (default 40)")
     ap.add_argument("--n", type=int, default=1000,
                     help="statements in the seed kernel (1000: about 5 s of pocl compile)")
     ap.add_argument("--variants", default=None,
@@ -699,6 +701,13 @@ def main(argv: list[str] | None = None) -> int:
             R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
                                              lambda res: save("nodes", res), reps=min(reps, 3),
                                              per_node=args.ranks_per_node, fill=args.fill)
+        if "suite" in sections:
+            log.section("suite")
+            import suite
+
+            use(["nocache", "acc"])
+            R["suite"] = suite.measure_suite(runner, reps, log, lambda res: save("suite", res),
+                                             programs=args.suite_programs)
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", flush=True)
     finally:

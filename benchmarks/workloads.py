@@ -117,8 +117,53 @@ def small() -> Prog:
     return Prog((Kern("small", "add", 1),))
 
 
+#: The header every ``suite`` program includes (``#include "suite.h"``, ``-I`` its folder).
+SUITE_HEADER = """inline float sq(float x) { return x * x; }
+inline float lerp(float a, float b, float t) { return a + t * (b - a); }
+inline float clampish(float x) { return fmin(fmax(x, -4.0f), 4.0f); }
+"""
+_SUITE_OPS: dict[str, tuple[str, Expected]] = {
+    "add": ("a[gid] + b[gid]", lambda a, b: a + b),
+    "mul": ("a[gid] * b[gid]", lambda a, b: a * b),
+    "sqd": ("sq(a[gid]) - b[gid]", lambda a, b: a * a - b),
+    "lerp": ("lerp(a[gid], b[gid], 0.25f)", lambda a, b: a + 0.25 * (b - a)),
+    "clamp": ("clampish(a[gid] * 8.0f - b[gid])", lambda a, b: np.clip(a * 8 - b, -4, 4)),
+}
+_SUITE_SIZES = (8, 16, 24, 40, 12, 60, 20, 30)
+
+
+@dataclass(frozen=True)
+class SuiteProg(Prog):
+    """A ``suite`` program: its kernels include :data:`SUITE_HEADER`."""
+
+    def source(self) -> str:
+        body = "\n\n".join(
+            f"__kernel void {k.name}(__global const float *a, __global const float *b, "
+            f"__global float *c){{ int gid = get_global_id(0);{f'c[gid] = {_SUITE_OPS[k.op][0]};' * k.n}}}"
+            for k in self.kernels)
+        return '#include "suite.h"\n' + body
+
+    def check(self, name: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return _SUITE_OPS[next(k.op for k in self.kernels if k.name == name)][1](a, b)
+
+
+def suite(programs: int = 40) -> list[Prog]:
+    """A test suite's programs (pyopencl's, loopy's): ``programs`` programs of 1-3 small
+    kernels that include a header (``suite.h``, found through ``-I``)."""
+    ops = list(_SUITE_OPS)
+    out: list[Prog] = []
+    for i in range(programs):
+        kernels = tuple(
+            Kern(f"s{i}_k{j}_{ops[(i + j) % len(ops)]}", ops[(i + j) % len(ops)],
+                 _SUITE_SIZES[(i * 3 + j * 5) % len(_SUITE_SIZES)])
+            for j in range(1 + i % 3))
+        out.append(SuiteProg(kernels))
+    return out
+
+
 WORKLOADS: dict[str, Callable[..., list[Prog]]] = {
     "seed": seed,
     "multi": multi,
     "throughput": throughput,
+    "suite": suite,
 }

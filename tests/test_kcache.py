@@ -272,6 +272,52 @@ def test_a_hit_that_compiles_a_new_variant_refreshes_its_entry(cache_dir):
     assert entry.meta.cwd == built_in  # where a bake builds it (issue 26, case 8)
 
 
+# Issue 35: a program built again in new contexts (a test suite) on a new node.
+REPEATS = r"""
+import json, os, pathlib, shutil, sys, time
+import asyncclcache as acc
+from asyncclcache.store import Store
+from kernels import small_source, run_twice
+from _pocl import pocl_context
+root = pathlib.Path(os.environ["POCL_CACHE_DIR"])
+cache = acc.Cache(sys.argv[1])
+build = lambda ctx: acc.Program(ctx, small_source(salt="repeats", repeat=20), cache=cache).build()
+prg = build(pocl_context())
+cache.flush(60)
+entry = Store(sys.argv[1]).path_for(prg.cache_key)
+os.utime(entry, (time.time() - 7200, time.time() - 7200))
+old = entry.stat().st_mtime
+folder = next(p.parent for p in root.rglob("program.bc"))
+variant = next(folder.rglob("*.so"))
+variant.unlink()  # a restore puts it back; a build does not make it (a launch would)
+how = [build(pocl_context())._build_duration_info[0] for _ in range(3)]
+restored_again = variant.exists()
+cache.flush(60)
+marked = entry.stat().st_mtime != old
+shutil.rmtree(folder)  # pocl's folder gone (a user's cleanup): the next build restores it
+ctx = pocl_context()
+prg = build(ctx)
+back = variant.exists()
+ok = run_twice(ctx, prg, local_size=(32,))  # a variant the entry lacks: a refresh at flush
+cache.flush(60)
+print(json.dumps({"how": how, "marked": marked, "back": back, "ok": ok, "last": prg._build_duration_info[0],
+                  "restored_again": restored_again, **cache.stats().as_dict()}))
+"""
+
+
+def test_a_program_built_again_in_new_contexts_is_restored_and_marked_once(cache_dir, tmp_path):
+    first = child_json(run_child(RUN, str(cache_dir), "repeats"))
+    assert first["stats"]["writes"] == 1
+    out = child_json(run_child(REPEATS, str(cache_dir), pocl_cache=tmp_path / "new"))
+    assert out["how"] == ["cache retrieval"] * 3 and (out["hits"], out["misses"]) == (5, 0), out
+    # The repeats marked the entry used no more (the first hit did), and pocl served them
+    # from the folder the first hit restored: nothing restored again.
+    assert not out["marked"] and not out["restored_again"], out
+    # A folder gone from pocl's cache is restored again, and what its launches add is kept.
+    assert out["back"] and out["ok"] and out["last"] == "cache retrieval", out
+    assert out["refreshes"] == 1, out
+
+
 def test_snapshot_waits_for_the_first_launch(cl_ctx, cache_dir, open_cache):
     # Outside a step the entry is taken once every kernel has a variant (or after a while).
     cache = open_cache(cache_dir)

@@ -617,3 +617,61 @@ def test_pocls_jit_is_in_the_key_with_the_layout_it_writes() -> None:
 
 
 # }}}
+
+
+# {{{ issue 35: a repeated build's key is made once, and made again when any input changes
+
+
+def test_a_repeat_takes_the_key_made_before_until_an_input_changes(
+    cl_ctx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = make_key(SOURCE, OPTIONS, cl_ctx.devices, [])
+    assert make_key(SOURCE, OPTIONS, cl_ctx.devices, []) is first  # nothing hashed again
+    monkeypatch.setenv("POCL_WORK_GROUP_SPECIALIZATION", "0")  # changes pocl's code
+    assert make_key(SOURCE, OPTIONS, cl_ctx.devices, []).key != first.key
+    monkeypatch.delenv("POCL_WORK_GROUP_SPECIALIZATION")
+    assert make_key(SOURCE, OPTIONS, cl_ctx.devices, []).key == first.key
+    monkeypatch.setenv("ASYNCCLCACHE_UNRELATED", "1")  # any change drops what was made
+    again = make_key(SOURCE, OPTIONS, cl_ctx.devices, [])
+    assert again is not first and again == first
+    assert make_key(SOURCE, b"-DFOO=2", cl_ctx.devices, []).key != first.key
+
+
+def test_a_repeat_looks_up_its_includes_again(
+    cl_ctx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    early, late = tmp_path / "early", tmp_path / "late"
+    early.mkdir()
+    late.mkdir()
+    (late / "hdr.h").write_text("#define SCALE 2.0f\n")
+    path = [str(early), str(late)]
+    first = make_key(INCLUDING, OPTIONS, cl_ctx.devices, path)
+    assert make_key(INCLUDING, OPTIONS, cl_ctx.devices, path) is first
+    # A header of that name appears earlier on the path: the compiler takes that one now.
+    (early / "hdr.h").write_text("#define SCALE 2.0f\n")
+    shadowed = make_key(INCLUDING, OPTIONS, cl_ctx.devices, path)
+    assert [d.path for d in shadowed.deps] == [os.path.realpath(early / "hdr.h")]
+    assert shadowed.key != first.key
+    (early / "hdr.h").unlink()
+    (late / "hdr.h").unlink()  # gone: uncacheable, not the key made before
+    assert make_key(INCLUDING, OPTIONS, cl_ctx.devices, path).uncertain is not None
+    # Relative folders: the same text names another folder after a chdir.
+    for d in (early, late):
+        (d / "hdr.h").write_text(f"#define SCALE {d.name!r}\n".replace("'", '"'))
+    monkeypatch.chdir(early)
+    here = make_key(INCLUDING, OPTIONS, cl_ctx.devices, ["."])
+    monkeypatch.chdir(late)
+    there = make_key(INCLUDING, OPTIONS, cl_ctx.devices, ["."])
+    assert here.key != there.key and [d.path for d in there.deps] == [os.path.realpath(late / "hdr.h")]
+
+
+def test_only_settings_the_environment_decides_let_a_key_be_taken_again() -> None:
+    from asyncclcache.platforms import intel, mesa, nvidia, pocl, pocl_cuda
+
+    assert pocl.SETTINGS.from_environment and mesa.SETTINGS.from_environment
+    assert nvidia.SETTINGS.from_environment
+    assert intel.SETTINGS.from_environment  # its cl.cfg is read once, at its start (F23)
+    assert not pocl_cuda.SETTINGS.from_environment  # libdevice is a file, read at every build
+
+
+# }}}

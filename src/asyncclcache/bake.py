@@ -565,34 +565,42 @@ EARLY_KEYS = 1024
 
 
 class IdleBaker:
-    """Bakes entries this process writes, in one helper process at the lowest priority
+    """Bakes entries this process writes or hits, in one helper process at the lowest priority
     (``SCHED_IDLE``), which runs only while a core is idle: a thread of this process starts
     it, then stops and continues it (SIGSTOP, SIGCONT) by the idle CPU time the system
     reports. Never waited for: :meth:`close` kills it, and what it has not baked stays
     ``kcache`` for a later bake. Where the system cannot say how idle it is, or cannot kill
     a stopped helper when this process dies, it is not started at all. ``count(name, n)``
-    receives ``bakes_not_queued``. Started on the first key. Thread-safe."""
+    receives ``bakes_not_queued``; ``on_baked(key)`` hears, on the gate's thread, each key
+    whose baked binary the helper published, so that this process's next build of it
+    loads it. Started on the first key. Thread-safe."""
 
-    def __init__(self, store: Store, count: Callable[[str, int], object] | None = None) -> None:
+    def __init__(self, store: Store, count: Callable[[str, int], object] | None = None,
+                 on_baked: Callable[[str], object] | None = None) -> None:
         self._where = [str(store.base), str(int(store.rank_local)), "" if store.rank is None else str(store.rank)]
         self._count = count
+        self._on_baked = on_baked
         self._lock = threading.Lock()
         self._state = "new"  # starting, running, off (not here, or its helper ended), closed
         self._early: list[str] = []  # keys that came while it started
         self._proc: subprocess.Popen[bytes] | None = None
         self._fd: int | None = None  # the key pipe's write end, non-blocking
+        self._baked_fd: int | None = None  # the read end of the keys it baked, non-blocking
+        self._sent: set[str] = set()  # keys handed over (a key is baked once a process)
+        self._pending = b""  # a line of the helper's not read whole yet
         self._dir: Path | None = None  # its pocl cache, made and removed here
         self.sent = 0
         self.not_queued = 0  # keys it could not take (pipe full, off, closed while starting)
         self.stops = 0  # times the gate stopped the helper (a core was not idle)
 
     def add(self, key: str) -> None:
-        """Hand ``key`` (a ``kcache`` entry just written) to the baker. Never blocks: a key
-        it cannot take now (its pipe is full: it is stopped or behind; or idle baking is off
-        here) is counted as not queued, for a later ``asyncclcache bake``."""
+        """Hand ``key`` (a ``kcache`` entry written or hit here) to the baker, once. Never
+        blocks: a key it cannot take now (its pipe is full: it is stopped or behind; or idle
+        baking is off here) is counted as not queued, for a later ``asyncclcache bake``."""
         with self._lock:
-            if self._state == "closed":
+            if self._state == "closed" or key in self._sent:
                 return
+            self._sent.add(key)
             if self._state == "new":
                 self._state = "starting"
                 threading.Thread(target=self._gate, name="asyncclcache-bake-gate", daemon=True).start()
@@ -641,6 +649,10 @@ class IdleBaker:
         finally:
             os.close(ready)
             self._end("off")  # whatever ends the gate ends the baker (as its death signal would)
+            with self._lock:  # this thread's alone: closed where no read can be under way
+                fd, self._baked_fd = self._baked_fd, None
+            if fd is not None:
+                os.close(fd)
 
     def _start(self) -> tuple[subprocess.Popen[bytes], int] | None:
         from . import system
@@ -650,6 +662,7 @@ class IdleBaker:
             folder = system.private_folder("acc-bake")  # and what killed jobs left
             keys_r, keys_w = os.pipe()
             ready_r, ready_w = os.pipe()
+            baked_r, baked_w = os.pipe()
         except OSError as e:
             logger.info("asyncclcache: no idle baking: %s", e)
             if folder is not None:
@@ -660,22 +673,25 @@ class IdleBaker:
             proc = system.start_helper(
                 "asyncclcache.bake:_idle_main", self._where, priority="idle", stopped=True, ready=ready_w,
                 env=dict(os.environ, **pocl.cache_environ(folder)),
-                stdin=keys_r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=keys_r, stdout=baked_w, stderr=subprocess.DEVNULL,
             )
         except OSError as e:
             logger.info("asyncclcache: no idle baking: %s", e)
-            for fd in (keys_w, ready_r):
+            for fd in (keys_w, ready_r, baked_r):
                 os.close(fd)
             shutil.rmtree(folder, ignore_errors=True)
             self._end("off")
             return None
         finally:
             os.close(keys_r)
+            os.close(baked_w)
         os.set_blocking(keys_w, False)
+        os.set_blocking(baked_r, False)
         with self._lock:
             ok = self._state == "starting"
             if ok:
                 self._proc, self._fd, self._dir, self._state = proc, keys_w, folder, "running"
+                self._baked_fd = baked_r
                 early, self._early = self._early, []
                 for key in early:
                     if not self._send(key):
@@ -683,6 +699,7 @@ class IdleBaker:
         if not ok:  # closed while it started
             _release(proc, keys_w, folder)
             os.close(ready_r)
+            os.close(baked_r)
             return None
         return proc, ready_r
 
@@ -701,7 +718,7 @@ class IdleBaker:
         before = system.cpu_sample(proc.pid)
         running = False
         while before is not None and proc.poll() is None:
-            time.sleep(GATE_SECONDS)
+            self._hear_baked(time.monotonic() + GATE_SECONDS)
             now = system.cpu_sample(proc.pid)
             if now is None:
                 return
@@ -718,6 +735,31 @@ class IdleBaker:
                     os.killpg(proc.pid, signal.SIGCONT if want else signal.SIGSTOP)
             self.stops += running and not want
             running = want
+
+    def _hear_baked(self, until: float) -> None:
+        """Until ``until`` (monotonic): tell ``on_baked`` each key the helper says it baked.
+        Only keys handed to it count (its output holds nothing else, but trusts nothing)."""
+        fd = self._baked_fd
+        while (left := until - time.monotonic()) > 0:
+            if fd is None or not select.select([fd], [], [], left)[0]:
+                time.sleep(max(0.0, until - time.monotonic()))
+                return
+            try:
+                chunk = os.read(fd, 4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not chunk:  # the helper is gone
+                fd = None
+                continue
+            *lines, self._pending = (self._pending + chunk).split(b"\n")
+            for line in lines:
+                key = line.decode(errors="replace").strip()
+                with self._lock:
+                    sent = key in self._sent
+                if sent and self._on_baked is not None:
+                    self._on_baked(key)
 
     def _end(self, state: str) -> None:
         with self._lock:
@@ -764,6 +806,9 @@ def _idle_main() -> int:
             except Exception as e:  # noqa: BLE001 - the next key
                 status, why = "failed", str(e)
             logger.debug("asyncclcache idle bake %s: %s %s", key[:12], status, why)
+            if status == "baked" or why == ALREADY:
+                with contextlib.suppress(OSError):  # the parent reads these (IdleBaker._hear_baked)
+                    os.write(1, key.encode() + b"\n")
     return 0
 
 

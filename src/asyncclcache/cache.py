@@ -31,7 +31,7 @@ from .errors import BackgroundError, BinaryRejectedWarning
 from .keys import baked_key
 from .pipeline import MAX_JOBS, Pipeline
 from .stats import Counters, Stats
-from .store import Stamp, Store
+from .store import BAKED_RECHECK, Stamp, Store
 from .workers import Workers
 
 if TYPE_CHECKING:
@@ -48,6 +48,9 @@ SAVE_EVERY = 60.0
 
 #: Bytes of entries kept in memory for repeated builds in one process.
 MEMORY_BUDGET = 64 << 20
+#: A hit marks its entry used (for the size bound's and prune's order) at most this often
+#: a process: a test suite builds the same program hundreds of times.
+MARK_USED_EVERY = 600.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,8 @@ class _Memory:
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._bytes = 0
         self._seen: dict[str, Stamp | None] = {}
+        self._marked: dict[tuple[str, str | None], float] = {}  # (key, baked key): when marked used
+        self._no_baked: dict[str, float] = {}  # key -> when to look for its baked binary again
 
     def get(self, key: str) -> Entry | None:
         with self._lock:
@@ -133,6 +138,35 @@ class _Memory:
         """What the last disk lookup of ``key`` saw, once (``None``: none, or no lookup)."""
         with self._lock:
             return self._seen.pop(key, None)
+
+    def mark_due(self, key: str, baked: str | None) -> bool:
+        """Whether a hit on ``key`` (through its baked binary ``baked``) should mark the
+        entries used: not where this process did within :data:`MARK_USED_EVERY`."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._marked.get((key, baked), -math.inf) < MARK_USED_EVERY:
+                return False
+            self._marked[(key, baked)] = now
+            if len(self._marked) > 2 * MAX_BUILT_KEYS:
+                del self._marked[next(iter(self._marked))]
+            return True
+
+    def look_for_baked(self, key: str) -> bool:
+        """Whether to look on disk for ``key``'s baked binary: not again within
+        :data:`~.store.BAKED_RECHECK` of a look that found none (:meth:`no_baked`)."""
+        with self._lock:
+            return time.monotonic() >= self._no_baked.get(key, 0.0)
+
+    def no_baked(self, key: str) -> None:
+        with self._lock:
+            self._no_baked[key] = time.monotonic() + BAKED_RECHECK
+            if len(self._no_baked) > 2 * MAX_BUILT_KEYS:
+                del self._no_baked[next(iter(self._no_baked))]
+
+    def baked_now(self, key: str) -> None:
+        """``key``'s baked binary was just published (by this process's idle baker)."""
+        with self._lock:
+            self._no_baked.pop(key, None)
 
 
 _CACHES: weakref.WeakSet[Cache] = weakref.WeakSet()
@@ -239,7 +273,7 @@ class Cache:
         if self._bake_idle and self.store.writable:
             from .bake import IdleBaker  # off the import path of a warm start
 
-            self._baker = IdleBaker(self.store, self._counters.add)
+            self._baker = IdleBaker(self.store, self._counters.add, on_baked=self._baked_now)
         self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
                                   on_written=self._written)
 
@@ -467,13 +501,17 @@ class Cache:
         gained since, is dropped (counted), and the entry's own files serve."""
         key = baked_key(entry.key)
         baked = self._memory.get(key)
-        if baked is None:
-            if not self.store.may_have_baked():  # none baked here: no lookup on the shared dir
-                return None
+        # None baked here (no mark): no lookup on the shared dir; none for this key lately:
+        # none again (a repeat in a new context) until the idle baker says it made one.
+        if baked is None and self._memory.look_for_baked(entry.key) and self.store.may_have_baked():
             baked, _ = self.store.lookup(key, b.info.devices)
-            if baked is None:
-                return None
-            self._memory.remember(baked)
+            if baked is not None:
+                self._memory.remember(baked)
+        if baked is None:
+            self._memory.no_baked(entry.key)
+            if self._baker is not None and entry.meta.source is not None:
+                self._baker.add(entry.key)  # once a process: its next builds load the binary
+            return None
         t0 = time.perf_counter()
         hit = driver.build_from_baked(baked, entry, b)
         seconds = time.perf_counter() - t0
@@ -508,8 +546,8 @@ class Cache:
         if _first_build(b.info.key):
             self._counters.add("seconds_saved", max(0.0, entry.meta.compile_seconds - seconds))
         self._count_in_step(hit=True)
-        if not (self.active and self.store.writable):
-            return
+        if not (self.active and self.store.writable and self._memory.mark_due(entry.key, baked)):
+            return  # a repeat: marked used, and watched (where its driver watches), already
         job = None
         if b.driver.watches_hits:
             meta = entry.meta
@@ -597,6 +635,11 @@ class Cache:
     def _count(self, name: str) -> None:
         # The store's counts; the counters are made anew in a forked child.
         self._counters.add(name)
+
+    def _baked_now(self, key: str) -> None:
+        # The idle baker's thread: it published the baked binary of ``key``.
+        self._memory.baked_now(key)
+        self.store.heard_baked()
 
     def _save_lifetime(self, not_within: float = 0.0) -> None:
         if self.store.writable:

@@ -52,6 +52,7 @@ import re
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -364,7 +365,7 @@ class UncertainIncludes(Exception):
 
 
 def find_include_deps(
-    source: bytes, include_path: Sequence[str], *, source_dir: str | None = None,
+    source: bytes | _Scan, include_path: Sequence[str], *, source_dir: str | None = None,
     source_dir_doubt: str | None = None,
 ) -> tuple[IncludeDep, ...]:
     """Every file ``source`` includes, recursively, resolved as clang resolves it.
@@ -415,7 +416,8 @@ def find_include_deps(
             return opened, real, scanned
         raise UncertainIncludes(f"#include {name!r} ({where}) is not on the include path")
 
-    todo: list[tuple[_Scan, str, str | None]] = [(_scan(source), "the source", source_dir)]
+    todo: list[tuple[_Scan, str, str | None]] = [
+        (source if isinstance(source, _Scan) else _scan(source), "the source", source_dir)]
     while todo:
         scan, where, folder = todo.pop()
         if scan.uncertain is not None:
@@ -466,6 +468,81 @@ def _check_search_options(*option_strings: bytes) -> None:
                                     "which files are compiled")
 
 
+class _Made:
+    """The keys this process made, by everything a key is made of but what is read from
+    files (includes), so that a repeated build (the same program in a new context: a test
+    suite, a solver's next mesh) hashes nothing again. Only where the environment alone
+    decides the settings (:attr:`.platform.Settings.from_environment`); the whole memo is
+    dropped when ``os.environ`` changes in any way. A program that includes files has
+    them looked up again (stats; contents by :data:`_MEMO`) and its key made again where
+    any changed. Bounded; thread-safe."""
+
+    MAX_KEYS = 4096
+    #: Bytes of sources held (the keys of a code generator's thousands of programs).
+    MAX_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._environ: tuple[object, ...] | None = None
+        self._keys: OrderedDict[tuple[object, ...], tuple[KeyInfo, _Scan]] = OrderedDict()
+        self._bytes = 0
+        self._env_only: dict[int, bool] = {}  # device pointer -> its settings from_environment
+
+    @staticmethod
+    def environ() -> tuple[object, ...]:
+        # os.environ's own encoded dict where there is one (CPython: a tuple of it costs a
+        # microsecond or two; the strings it holds are compared by identity first).
+        data = getattr(os.environ, "_data", None)
+        return tuple(data.items()) if isinstance(data, dict) else tuple(os.environ.items())
+
+    def env_only(self, devices: Sequence[cl.Device], pointers: tuple[int, ...]) -> bool:
+        known = [self._env_only.get(p) for p in pointers]
+        if None not in known:
+            return all(known)
+        ok = True
+        for d, p in zip(devices, pointers, strict=True):
+            platform = platforms.of_devices([d])
+            record = None if platform is None else platform.settings
+            here = record is None or record.from_environment
+            self._env_only[p] = here
+            ok = ok and here
+        return ok
+
+    def get(self, fingerprint: tuple[object, ...], environ: tuple[object, ...]) -> tuple[KeyInfo, _Scan] | None:
+        with self._lock:
+            if environ != self._environ:
+                self._environ = environ
+                self._keys.clear()
+                self._bytes = 0
+                return None
+            got = self._keys.get(fingerprint)
+            if got is not None:
+                self._keys.move_to_end(fingerprint)
+            return got
+
+    def put(self, fingerprint: tuple[object, ...], environ: tuple[object, ...], info: KeyInfo, scan: _Scan,
+            nbytes: int) -> None:
+        if environ != self.environ():
+            return  # the environment changed while the key was made: it may hold either
+        with self._lock:
+            if environ != self._environ or fingerprint in self._keys:
+                return
+            self._keys[fingerprint] = (info, scan)
+            self._bytes += nbytes
+            while self._keys and (len(self._keys) > self.MAX_KEYS or self._bytes > self.MAX_BYTES):
+                old, _ = self._keys.popitem(last=False)
+                self._bytes -= len(old[0])  # type: ignore[arg-type]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._keys.clear()
+            self._bytes = 0
+            self._env_only.clear()
+
+
+_MADE = _Made()
+
+
 def make_key(
     source: bytes,
     options: bytes,
@@ -481,27 +558,58 @@ def make_key(
     ``kind`` is what the entry holds (``binary``, or ``kcache``: pocl's kernel-cache files);
     entries of different kinds never share a key. ``source_dir`` is the folder of the file
     the compiler compiles (pocl's cache directory), searched first for the source's own
-    ``#include "..."``, with ``source_dir_doubt`` (see :func:`find_include_deps`)."""
-    identities = tuple(device_identity(d) for d in devices)
-    settings, uncertain = settings_of(devices)
-    deps: tuple[IncludeDep, ...] = ()
+    ``#include "..."``, with ``source_dir_doubt`` (see :func:`find_include_deps`).
+
+    A repeat (the same inputs in this process, the environment unchanged) takes the key
+    made before, its includes looked up again (:class:`_Made`)."""
     # Absolute, not normalised: the OS resolves ".." after symbolic links, as for the compiler.
     try:
         cwd = os.getcwd()
     except OSError:
         cwd = ""  # gone: relative folders find nothing either way
-    path = tuple(os.path.join(cwd, d) for d in include_path)
-    folder = None if source_dir is None else os.path.realpath(source_dir)
+    pointers = tuple(d.int_ptr for d in devices)
+    environ = _MADE.environ()
+    fingerprint = None
+    if _MADE.env_only(devices, pointers):
+        fingerprint = (source, kind, options, pointers, tuple(include_path), cwd, source_dir, source_dir_doubt,
+                       FORMAT_VERSION, INCLUDE_RULE)
+        made = _MADE.get(fingerprint, environ)
+        if made is not None:
+            info, scan = made
+            if not scan.names:  # nothing read from a file: the same inputs, the same key
+                return info
+            again = _deps(scan, options, include_path, cwd, source_dir=source_dir,
+                           source_dir_doubt=source_dir_doubt)
+            if again == (info.deps, info.uncertain):
+                return info
+    scan = _scan(source)
+    identities = tuple(device_identity(d) for d in devices)
+    settings, uncertain = settings_of(devices)
+    deps: tuple[IncludeDep, ...] = ()
     if uncertain is None:
-        try:
-            _check_search_options(options, *platforms.extra_options(os.environ))
-            deps = find_include_deps(source, path, source_dir=folder, source_dir_doubt=source_dir_doubt)
-        except UncertainIncludes as e:
-            uncertain = str(e)
+        deps, uncertain = _deps(scan, options, include_path, cwd, source_dir=source_dir,
+                                source_dir_doubt=source_dir_doubt)
     source_sha = hashlib.sha256(source).hexdigest()
     key = key_of(devices, options, source_sha, [[d.path, d.sha256] for d in deps], kind=kind,
                  environment=settings)
-    return KeyInfo(key, identities, options, source_sha, deps, uncertain)
+    info = KeyInfo(key, identities, options, source_sha, deps, uncertain)
+    if fingerprint is not None:
+        _MADE.put(fingerprint, environ, info, scan, len(source))
+    return info
+
+
+def _deps(
+    scan: _Scan, options: bytes, include_path: Sequence[str], cwd: str, *, source_dir: str | None,
+    source_dir_doubt: str | None,
+) -> tuple[tuple[IncludeDep, ...], str | None]:
+    """(the includes, why they cannot be known for certain or ``None``) of a scanned source."""
+    path = tuple(os.path.join(cwd, d) for d in include_path)
+    folder = None if source_dir is None else os.path.realpath(source_dir)
+    try:
+        _check_search_options(options, *platforms.extra_options(os.environ))
+        return find_include_deps(scan, path, source_dir=folder, source_dir_doubt=source_dir_doubt), None
+    except UncertainIncludes as e:
+        return (), str(e)
 
 
 def key_of(

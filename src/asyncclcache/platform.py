@@ -37,7 +37,8 @@ class Settings:
     at device creation); pocl reads its own at every build. ``per_device``: settings that
     only some of its devices read (pocl's CUDA device), from the environment given.
     ``extra_options``: variables whose value the driver adds to every build's options
-    (scanned like the options for what moves the include search).
+    (scanned like the options for what moves the include search). ``per_device_files``:
+    ``per_device`` also reads files (libdevice), so a repeated build's key is made again.
     """
 
     prefixes: tuple[str, ...]
@@ -46,6 +47,13 @@ class Settings:
     at_start: bool = True
     per_device: Callable[[cl.Device, Mapping[str, str]], dict[str, str]] | None = None
     extra_options: tuple[str, ...] = ()
+    per_device_files: bool = False
+
+    @property
+    def from_environment(self) -> bool:
+        """Whether the environment alone decides these settings for the rest of the process
+        (what a key made once may be reused for: :mod:`asyncclcache.keys`)."""
+        return (self.files is None or self.at_start) and not self.per_device_files
 
     def select(self, env: Mapping[str, str]) -> dict[str, str]:
         """The variables of ``env`` that are in the key. Pure: thread-safe."""

@@ -403,6 +403,11 @@ class Store:
             with self._dirs_lock:
                 self._baked_seen = True
 
+    def heard_baked(self) -> None:
+        """A helper of this process published a baked binary here: hits look for them."""
+        with self._dirs_lock:
+            self._baked_seen = True
+
     def may_have_baked(self) -> bool:
         """Whether this directory may hold baked binaries: without :data:`~.shared.BAKED_MARK`
         no hit looks for one (one ``lstat`` a process, again every :data:`BAKED_RECHECK`

@@ -71,6 +71,9 @@ logger = logging.getLogger(__name__)
 #: Outside a step, snapshot at the latest this long after the build.
 SETTLE_SECONDS = pocl.LAYOUT.settle
 POLL_SECONDS = 0.2
+#: Entries whose folders a process remembers as restored and used (:meth:`KcacheDriver.build_from_entry`).
+MAX_PLACED = 1 << 16
+PROGRAM_FILE = pocl.PROGRAM_FILE
 #: At most one walk of every folder of pocl's cache this often (a large cache: many stats).
 FULL_SCAN_SECONDS = 1.0
 #: At most this many candidates are told apart by a probe build; more: nothing stored.
@@ -128,6 +131,9 @@ class KcacheDriver(BackgroundDriver):
         self.probes = 0  # cached rebuilds that told candidates apart (:meth:`_probe`)
         self._contexts: dict[tuple[int, ...], Any] = {}  # the probe's, on this thread only
         self._of: PerJob[_Found] = PerJob(_Found)
+        #: Entries a hit here restored and pocl used, with their folders: a repeat (a new
+        #: context) finds them in pocl's cache still, and restores and checks nothing.
+        self._placed: dict[str, tuple[str, ...]] = {}
 
     # {{{ caller's threads
 
@@ -183,6 +189,25 @@ class KcacheDriver(BackgroundDriver):
         self._of(job).written = frozenset(snap.files or ())
 
     def build_from_entry(self, entry: Entry, build: Build) -> Hit:
+        placed = self._placed.get(entry.key)
+        if placed is not None and all(self._holds(f) for f in placed):
+            return Hit(HitOutcome.USED, build.from_source(), "", placed)
+        hit = self._restore_and_build(entry, build)
+        if hit.outcome is HitOutcome.USED:
+            if len(self._placed) >= MAX_PLACED:
+                self._placed.pop(next(iter(self._placed)), None)
+            self._placed[entry.key] = hit.folders
+        return hit
+
+    def _holds(self, folder: str) -> bool:
+        # One stat: pocl's cache still holds the program (a removed folder is restored again).
+        try:
+            os.lstat(os.path.join(self.root, folder, PROGRAM_FILE))
+        except OSError:
+            return False
+        return True
+
+    def _restore_and_build(self, entry: Entry, build: Build) -> Hit:
         files = list(entry.meta.files or [])
         bad = next((f for f in files if not valid_file(f)), None)
         if bad is not None:

@@ -114,7 +114,7 @@ def device_settings(device: cl.Device, env: Mapping[str, str]) -> dict[str, str]
 
 
 #: pocl's settings (every ``POCL_*`` but what is no code, at every build), and these.
-SETTINGS: Settings = dataclasses.replace(pocl.SETTINGS, per_device=device_settings)
+SETTINGS: Settings = dataclasses.replace(pocl.SETTINGS, per_device=device_settings, per_device_files=True)
 
 # }}}
 
