@@ -174,6 +174,14 @@ def atomic_writer(
         raise
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """``data`` written to ``fd`` with plain ``write`` calls (no buffered file object: its
+    ``fstat``, ``ioctl`` and ``lseek`` are requests on a shared file system too)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def atomic_write(
     directory: Path, target: Path, data: bytes, write_hook: Callable[[str], None] | None = None,
     *, durable: bool = True,
@@ -187,9 +195,7 @@ def atomic_write(
         try:
             if write_hook is not None:
                 write_hook(tmp)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, data)
             if durable:
                 os.fsync(fd)
         finally:

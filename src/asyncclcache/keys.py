@@ -487,6 +487,9 @@ class _Made:
         self._keys: OrderedDict[tuple[object, ...], tuple[KeyInfo, _Scan]] = OrderedDict()
         self._bytes = 0
         self._env_only: dict[int, bool] = {}  # device pointer -> its settings from_environment
+        self._identities: dict[int, dict[str, str]] = {}  # device pointer -> device_identity
+        #: device pointers -> settings_of, while the environment is the same (reset with it)
+        self._settings: dict[tuple[int, ...], tuple[dict[str, str], str | None]] = {}
 
     @staticmethod
     def environ() -> tuple[object, ...]:
@@ -508,12 +511,45 @@ class _Made:
             ok = ok and here
         return ok
 
+    def identities(self, devices: Sequence[cl.Device], pointers: tuple[int, ...]) -> tuple[dict[str, str], ...]:
+        """:func:`device_identity` of each device, asked once a process (a device's fields
+        are fixed while it exists)."""
+        out = []
+        for d, p in zip(devices, pointers, strict=True):
+            known = self._identities.get(p)
+            if known is None:
+                known = self._identities[p] = device_identity(d)
+            out.append(known)
+        return tuple(out)
+
+    def settings(self, devices: Sequence[cl.Device], pointers: tuple[int, ...],
+                 environ: tuple[object, ...]) -> tuple[dict[str, str], str | None]:
+        """:func:`settings_of` ``devices``, made again only when the environment changed
+        (only for devices whose settings it alone decides: :meth:`env_only`)."""
+        with self._lock:
+            self._reset_if(environ)
+            known = self._settings.get(pointers)
+        if known is None:
+            known = settings_of(devices)
+            if environ == self.environ():
+                with self._lock:
+                    if environ == self._environ:
+                        self._settings[pointers] = known
+        return dict(known[0]), known[1]
+
+    def _reset_if(self, environ: tuple[object, ...]) -> bool:
+        # Under the lock: a new environment drops every key and setting made in the old one.
+        if environ == self._environ:
+            return False
+        self._environ = environ
+        self._keys.clear()
+        self._settings.clear()
+        self._bytes = 0
+        return True
+
     def get(self, fingerprint: tuple[object, ...], environ: tuple[object, ...]) -> tuple[KeyInfo, _Scan] | None:
         with self._lock:
-            if environ != self._environ:
-                self._environ = environ
-                self._keys.clear()
-                self._bytes = 0
+            if self._reset_if(environ):
                 return None
             got = self._keys.get(fingerprint)
             if got is not None:
@@ -536,8 +572,10 @@ class _Made:
     def clear(self) -> None:
         with self._lock:
             self._keys.clear()
+            self._settings.clear()
             self._bytes = 0
             self._env_only.clear()
+            self._identities.clear()
 
 
 _MADE = _Made()
@@ -570,7 +608,8 @@ def make_key(
     pointers = tuple(d.int_ptr for d in devices)
     environ = _MADE.environ()
     fingerprint = None
-    if _MADE.env_only(devices, pointers):
+    env_only = _MADE.env_only(devices, pointers)
+    if env_only:
         fingerprint = (source, kind, options, pointers, tuple(include_path), cwd, source_dir, source_dir_doubt,
                        FORMAT_VERSION, INCLUDE_RULE)
         made = _MADE.get(fingerprint, environ)
@@ -583,15 +622,15 @@ def make_key(
             if again == (info.deps, info.uncertain):
                 return info
     scan = _scan(source)
-    identities = tuple(device_identity(d) for d in devices)
-    settings, uncertain = settings_of(devices)
+    identities = _MADE.identities(devices, pointers)
+    settings, uncertain = _MADE.settings(devices, pointers, environ) if env_only else settings_of(devices)
     deps: tuple[IncludeDep, ...] = ()
     if uncertain is None:
         deps, uncertain = _deps(scan, options, include_path, cwd, source_dir=source_dir,
                                 source_dir_doubt=source_dir_doubt)
     source_sha = hashlib.sha256(source).hexdigest()
     key = key_of(devices, options, source_sha, [[d.path, d.sha256] for d in deps], kind=kind,
-                 environment=settings)
+                 environment=settings, identities=identities)
     info = KeyInfo(key, identities, options, source_sha, deps, uncertain)
     if fingerprint is not None:
         _MADE.put(fingerprint, environ, info, scan, len(source))
@@ -615,6 +654,7 @@ def _deps(
 def key_of(
     devices: Sequence[cl.Device], options: bytes, source_sha256: str, includes: Sequence[Sequence[str]],
     *, kind: str = "binary", environment: Mapping[str, str] | None = None,
+    identities: Sequence[Mapping[str, str]] | None = None,
 ) -> str:
     """The key of what :func:`make_key` found: with this process's pyopencl and settings
     (``environment``: :func:`code_settings` of ``devices`` unless given; ``asyncclcache
@@ -624,7 +664,7 @@ def key_of(
     doc = {
         "format": FORMAT_VERSION,
         "pyopencl": pyopencl.VERSION_TEXT,
-        "devices": tuple(device_identity(d) for d in devices),
+        "devices": tuple(device_identity(d) for d in devices) if identities is None else tuple(identities),
         "options": options.decode("utf-8", "surrogateescape"),
         "source_sha256": source_sha256,
         "includes": [list(i) for i in includes],

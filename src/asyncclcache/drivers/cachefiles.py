@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError, insecure
+from ..fileio import CLOEXEC, NOFOLLOW, NONBLOCK, InsecurePathError, insecure, write_all
 from .base import Lost
 
 __all__ = [
@@ -153,9 +153,11 @@ def _place(dfd: int, name: str, blob: bytes) -> int | None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            ino = os.fstat(f.fileno()).st_ino
+        try:
+            write_all(fd, blob)
+            ino = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
         try:
             os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
         except FileExistsError:
