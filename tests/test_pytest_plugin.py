@@ -1,4 +1,5 @@
-"""The pytest plugin (``-p asyncclcache.pytest_plugin``): a project's own test session, run
+"""The pytest plugin (``-p asyncclcache``, ``--asyncclcache`` or ``asyncclcache = true``, its
+entry point installed with the package): a project's own test session, run
 for real in a folder of its own, caches its pyopencl builds on real pocl, as CI runs it (a
 new machine: an empty pocl cache each time, the cache folder kept)."""
 
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SUITE = '''
 import numpy as np
@@ -42,27 +45,36 @@ def _project(tmp: Path, ini: str) -> Path:
     return project
 
 
-def test_the_plugin_in_a_projects_configuration_caches_its_builds(tmp_path: Path) -> None:
-    ini = "[pytest]\naddopts = -p asyncclcache.pytest_plugin\nasyncclcache_dir = .acc-cache\n"
-    project = _project(tmp_path, ini)
-    cold = _session(project, tmp_path, "cold")
+@pytest.mark.parametrize(("ini", "options"), [
+    ("asyncclcache = true\n", ()),
+    ("", ("-p", "asyncclcache")),
+    ("", ("--asyncclcache",)),
+    ("addopts = -p asyncclcache\n", ()),
+], ids=["ini", "-p", "flag", "addopts"])
+def test_a_session_that_asks_for_the_plugin_caches_its_builds(tmp_path: Path, ini: str, options: tuple[str, ...]) -> None:
+    project = _project(tmp_path, f"[pytest]\n{ini}asyncclcache_dir = .acc-cache\n")
+    cold = _session(project, tmp_path, "cold", *options)
     assert cold.returncode == 0, cold.stdout + cold.stderr
     assert "asyncclcache: 0 hits, 1 misses, 1 writes" in cold.stdout, cold.stdout
     assert str(project / ".acc-cache") in cold.stdout
-    warm = _session(project, tmp_path, "warm")
+    warm = _session(project, tmp_path, "warm", *options)
     assert warm.returncode == 0, warm.stdout + warm.stderr
     assert "asyncclcache: 1 hits, 0 misses, 0 writes" in warm.stdout, warm.stdout
 
 
-def test_without_the_plugin_nothing_is_cached(tmp_path: Path) -> None:
+def test_installed_but_not_asked_for_nothing_is_cached(tmp_path: Path) -> None:
     project = _project(tmp_path, "[pytest]\nasyncclcache_dir = .acc-cache\n")
     r = _session(project, tmp_path, "plain")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "asyncclcache:" not in r.stdout and not (project / ".acc-cache").exists()
+    # The entry point did load it (the ini option is known: no warning about it).
+    assert "PytestConfigWarning" not in r.stdout + r.stderr, r.stdout + r.stderr
+    unloaded = _session(project, tmp_path, "unloaded", "-p", "no:asyncclcache", "--asyncclcache")
+    assert unloaded.returncode != 0 and "--asyncclcache" in unloaded.stderr  # no such option then
 
 
 def test_a_bad_setting_warns_and_the_session_runs_uncached(tmp_path: Path) -> None:
-    project = _project(tmp_path, "[pytest]\naddopts = -p asyncclcache.pytest_plugin\n")
+    project = _project(tmp_path, "[pytest]\nasyncclcache = true\n")
     env_dir = "~nosuchuser-acc35/x"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project,
                        env=dict(os.environ, ASYNCCLCACHE_DIR=env_dir, POCL_CACHE_DIR=str(tmp_path / "pocl")),

@@ -1,20 +1,23 @@
 """A pytest plugin: every pyopencl build of a test session goes through asyncclcache, for
 projects that want the cache in their test configuration only (docs/ci.md).
 
-On where it is loaded, and only there::
+Installed with the package (entry point ``pytest11``: ``asyncclcache``), and off until a
+session asks for it, in any of these ways::
 
-    pytest -p asyncclcache.pytest_plugin          # or, in the project's configuration:
+    pytest -p asyncclcache                        # or --asyncclcache, or in the configuration:
 
     [tool.pytest.ini_options]
-    addopts = "-p asyncclcache.pytest_plugin"
+    asyncclcache = true
     asyncclcache_dir = ".acc-cache"               # optional: relative to the rootdir
 
-No entry point registers it, so installing the package changes no other test suite. At
-the start of the session it calls :func:`asyncclcache.install` (a bad ``ASYNCCLCACHE_*``
-setting: one :class:`~asyncclcache.errors.SettingWarning`, and the session runs uncached);
-at its end it closes the caches, waiting for pending writes no longer than the exit
-timeout (``ASYNCCLCACHE_EXIT_TIMEOUT``), and prints the summary line. Each process of a
-session (pytest-xdist's workers) installs its own; they share the directory safely.
+So installing the package changes no other test suite (``-p no:asyncclcache`` unloads it).
+Where the package is on ``sys.path`` but not installed, ``-p asyncclcache.pytest_plugin``
+loads this module by its name. At the start of the session it calls
+:func:`asyncclcache.install` (a bad ``ASYNCCLCACHE_*`` setting: one
+:class:`~asyncclcache.errors.SettingWarning`, and the session runs uncached); at its end it
+closes the caches, waiting for pending writes no longer than the exit timeout
+(``ASYNCCLCACHE_EXIT_TIMEOUT``), and prints the summary line. Each process of a session
+(pytest-xdist's workers) installs its own; they share the directory safely.
 ``ASYNCCLCACHE_DISABLE`` and ``PYOPENCL_NO_CACHE`` turn it off as they turn ``install()`` off.
 """
 
@@ -25,18 +28,33 @@ from typing import Any
 
 __all__ = ["pytest_addoption", "pytest_configure", "pytest_terminal_summary", "pytest_unconfigure"]
 
-#: The ini option naming the cache directory (relative to the rootdir).
+#: The ini options: on, and the cache directory (relative to the rootdir).
+ON_OPTION = "asyncclcache"
 DIR_OPTION = "asyncclcache_dir"
+#: The names that load this module with ``-p``: the entry point's, and the module's own.
+PLUGIN_NAMES = ("asyncclcache", __name__)
 
 
 def pytest_addoption(parser: Any) -> None:
+    parser.addini(ON_OPTION, "asyncclcache: cache the session's pyopencl builds", type="bool", default=False)
     parser.addini(DIR_OPTION, "asyncclcache: the cache directory, relative to the rootdir "
                   "(default: ASYNCCLCACHE_DIR, else the user's cache directory)", default="")
+    parser.getgroup("asyncclcache").addoption(
+        "--asyncclcache", action="store_true", default=False,
+        help="cache the session's pyopencl builds with asyncclcache (docs/ci.md)")
+
+
+def _asked(config: Any) -> bool:
+    loaded = getattr(config.known_args_namespace, "plugins", None) or []
+    return (bool(config.getoption("asyncclcache")) or bool(config.getini(ON_OPTION))
+            or any(name in PLUGIN_NAMES for name in loaded))
 
 
 def pytest_configure(config: Any) -> None:
-    """Install the cache for the session (the directory of the ini option, where
-    ``ASYNCCLCACHE_DIR`` does not name one)."""
+    """Install the cache for the session where it is asked for (the directory of the ini
+    option, where ``ASYNCCLCACHE_DIR`` does not name one)."""
+    if not _asked(config):
+        return
     given = config.getini(DIR_OPTION)
     if given and not os.environ.get("ASYNCCLCACHE_DIR"):
         # Read once by the settings (absolute: a test that changes folder keeps the cache).
