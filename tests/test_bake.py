@@ -405,13 +405,15 @@ def test_an_entry_whose_folder_is_not_an_absolute_path_is_damaged(cwd: str) -> N
 # {{{ issue 26: the idle baker and bake's workers are helpers that never block, never outlive
 # their job, never leak a folder, and never import from the working folder (cases 3-6)
 
-# A child: an IdleBaker fed 5000 keys from a thread, whose helper never runs: the gate never
-# finds a core idle enough, or (probes "not here") it never starts. Both waits are bounded.
+# A child: an IdleBaker fed 5000 keys from a thread, whose helper never runs: the gate
+# started it but never finds a core idle enough, or (probes "not here") it never starts.
+# Both waits are bounded.
 FEED = r"""
 import json, os, sys, threading, time
 import asyncclcache.bake as bake
 from asyncclcache.store import Store
 bake.IDLE_CORES = 2.0  # never idle enough: it stays stopped
+bake.IdleBaker._until_idle = lambda self: self._state == "starting"  # but started at once
 baker = bake.IdleBaker(Store(sys.argv[1], rank_local=False))
 def feed():
     for i in range(5000):
@@ -455,7 +457,8 @@ import pyopencl as cl, asyncclcache as acc, asyncclcache.bake as bake
 from kernels import small_source
 from _pocl import pocl_context
 from _procs import state
-bake.IDLE_CORES = 2.0
+bake.IDLE_CORES = 2.0  # a busy node: stopped, once started (a core was idle at its start)
+bake.IdleBaker._until_idle = lambda self: self._state == "starting"
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], rank_local=False)
 acc.Program(ctx, small_source("twice0", salt="killed"), cache=cache).build()
@@ -582,3 +585,24 @@ def test_a_relative_cache_directory_survives_a_chdir_and_the_idle_baker_finds_it
     assert not (tmp_path / "out" / "acc").exists()
 
 # }}}
+
+
+# Issue 35: a job whose processes keep every core busy starts no helper at all.
+BUSY = r"""
+import json, sys, time
+import asyncclcache.bake as bake
+from asyncclcache.store import Store
+bake.IDLE_CORES = 2.0  # never a core idle
+baker = bake.IdleBaker(Store(sys.argv[1], rank_local=False))
+baker.add(64 * "a")
+time.sleep(1.0)  # ten samples of the gate
+started = baker._proc is not None
+baker.close()
+print(json.dumps({"started": started, "sent": baker.sent, "not_queued": baker.not_queued}))
+"""
+
+
+def test_an_idle_baker_starts_no_helper_while_no_core_is_idle(cache_dir: Path) -> None:
+    out = child_json(run_child(BUSY, str(cache_dir)))
+    assert out == {"started": False, "sent": 0, "not_queued": 1}, out
+    assert not with_args(str(cache_dir))

@@ -625,8 +625,10 @@ class IdleBaker:
                 self._count("bakes_not_queued", n)
 
     def _gate(self) -> None:
-        """The baker's thread: starts the helper (which dies with this thread), then runs it
-        only while the system has a core idle (its own use counted idle)."""
+        """The baker's thread: starts the helper (which dies with this thread) the first
+        time the system has a core idle, then runs it only while it has (its own use
+        counted idle). A job whose processes keep every core busy (one rank a core) starts
+        none."""
         from . import system
 
         if system.cpu_sample(os.getpid()) is None:
@@ -639,7 +641,7 @@ class IdleBaker:
             logger.info("asyncclcache: no idle baking (%s); `asyncclcache bake` after the job bakes", why)
             self._end("off")
             return
-        started = self._start() if self._state == "starting" else None
+        started = self._start() if self._until_idle() else None
         if started is None:
             return
         proc, ready = started
@@ -653,6 +655,25 @@ class IdleBaker:
                 fd, self._baked_fd = self._baked_fd, None
             if fd is not None:
                 os.close(fd)
+
+    def _until_idle(self) -> bool:
+        """Whether a core was idle before :meth:`close` (sampled every :data:`GATE_SECONDS`)."""
+        from . import system
+
+        ncpu = os.cpu_count() or 1
+        before = system.cpu_sample(os.getpid())
+        while before is not None and self._state == "starting":
+            time.sleep(GATE_SECONDS)
+            now = system.cpu_sample(os.getpid())
+            if now is None:
+                break
+            elapsed = (now[0] - before[0]) / ncpu
+            if elapsed > 0 and (now[1] - before[1]) / elapsed >= IDLE_CORES:
+                return self._state == "starting"
+            before = now
+        if self._state == "starting":
+            self._end("off")
+        return False
 
     def _start(self) -> tuple[subprocess.Popen[bytes], int] | None:
         from . import system

@@ -15,7 +15,8 @@
 ``ASYNCCLCACHE_INSTALL``        ``1``: ``install()`` at interpreter start-up (:mod:`._startup`)
 ``ASYNCCLCACHE_STATS``          ``1``: one summary line at exit (:mod:`.summary`)
 ``ASYNCCLCACHE_BAKE``           ``idle``: bake entries on idle cores during the run (:mod:`.bake`);
-                                ``off`` (the default)
+                                ``auto``: the same, but not in one of a job's ranks; ``off``
+                                (the default: :data:`DEFAULT_BAKE`)
 =============================== ===================================================
 """
 
@@ -65,7 +66,9 @@ def strategy_in_use(name: str) -> str:
         warnings.warn(f"asyncclcache: strategy {name!r} is gone: {why}; using auto instead",
                       RemovedStrategyWarning, stacklevel=3)
     return "auto"
-BAKE_MODES = ("off", "idle")
+BAKE_MODES = ("off", "idle", "auto")
+#: ``ASYNCCLCACHE_BAKE`` where it is not set (docs/design.md, "Baking").
+DEFAULT_BAKE = "off"
 #: Default bound of a user's node-local copies on a node, every shared directory's
 #: (``ASYNCCLCACHE_NODE_MAX_SIZE``; :mod:`.nodecopies`).
 DEFAULT_NODE_MAX_BYTES = 2 << 30
@@ -131,7 +134,7 @@ class Config:
     max_size: int | None = None
     install: bool = False
     stats: bool = False
-    bake: str = "off"
+    bake: str = DEFAULT_BAKE
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str] | None = None) -> Config:
@@ -149,7 +152,7 @@ class Config:
         if not (math.isfinite(exit_timeout) and exit_timeout >= 0):
             raise ValueError(f"ASYNCCLCACHE_EXIT_TIMEOUT: expected a finite number of seconds >= 0, "
                              f"got {e.get('ASYNCCLCACHE_EXIT_TIMEOUT')!r}")
-        bake = e.get("ASYNCCLCACHE_BAKE", "off").strip().lower() or "off"
+        bake = e.get("ASYNCCLCACHE_BAKE", DEFAULT_BAKE).strip().lower() or DEFAULT_BAKE
         if bake not in BAKE_MODES:
             raise ValueError(f"ASYNCCLCACHE_BAKE: expected one of {BAKE_MODES}, got {bake!r}")
         try:
