@@ -134,8 +134,9 @@ class Runner:
             env["PYOPENCL_NO_CACHE"] = "1"
         if variant == "pyopencl-spec0":
             env["POCL_WORK_GROUP_SPECIALIZATION"] = "0"
-        if variant == "acc-idle":
-            env["ASYNCCLCACHE_BAKE"] = "idle"
+        if variant and variant.startswith("acc") and "ASYNCCLCACHE_BAKE" not in extra:
+            # As measured before idle baking was on by default (issue 35), but in acc-idle.
+            env["ASYNCCLCACHE_BAKE"] = "idle" if variant == "acc-idle" else "off"
         if variant == "acc-shared":
             env["ASYNCCLCACHE_NODE_COPIES"] = "0"  # every rank reads the shared directory
         if variant == "acc-ranklocal":

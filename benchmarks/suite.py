@@ -14,6 +14,9 @@ one after the other, each a fresh process on a new node (empty driver caches):
 * ``baked``: that directory after ``asyncclcache bake`` (docs/ci.md's recipe);
 * ``new machine, idle baking {on|off}``: the other setting of ``ASYNCCLCACHE_BAKE``.
 
+asyncclcache's runs have the default ``ASYNCCLCACHE_BAKE`` (``auto``: idle baking from 4
+cores up), but the last.
+
 Timed: the whole process, start to exit (asyncclcache's exit included); the CPU of the
 caller's thread in ``build()`` outside the driver's build call, per build (pyopencl's own
 work in ``nocache``; asyncclcache's on top of it in the others).
@@ -34,9 +37,10 @@ CONTEXTS = 4
 
 
 def _default_bake() -> str:
-    from asyncclcache.config import get_config
+    """What the default ``ASYNCCLCACHE_BAKE`` comes to here: ``idle`` or ``off``."""
+    from asyncclcache.config import Config
 
-    return get_config().bake
+    return "idle" if Config.from_env({}).bakes_idle(None) else "off"
 
 
 def _bake(runner: Any, acc_dir: str) -> None:
@@ -72,7 +76,7 @@ def measure_suite(runner: Any, reps: int, log: Any, save: Any, programs: int = P
         plain = runner.node()
         run("nocache", "nocache", plain)
         cold_dir = runner.fresh("suite-acc")
-        run("cold", "acc", runner.node(), cold_dir)
+        run("cold", "acc", runner.node(), cold_dir, ASYNCCLCACHE_BAKE=default)
         restored = runner.node()
         shutil.copytree(plain["POCL_CACHE_DIR"], restored["POCL_CACHE_DIR"], symlinks=True)
         run("pocl folder", "nocache", restored)
@@ -81,9 +85,9 @@ def measure_suite(runner: Any, reps: int, log: Any, save: Any, programs: int = P
             copies[mode] = runner.fresh("suite-copy")
             shutil.copytree(cold_dir, copies[mode], symlinks=True, dirs_exist_ok=True)
         out.setdefault("baked_by_cold", []).append(_count_baked(cold_dir))
-        run("new machine", "acc", runner.node(), copies["new machine"])
+        run("new machine", "acc", runner.node(), copies["new machine"], ASYNCCLCACHE_BAKE=default)
         _bake(runner, copies["baked"])
-        run("baked", "acc", runner.node(), copies["baked"])
+        run("baked", "acc", runner.node(), copies["baked"], ASYNCCLCACHE_BAKE=default)
         run("other idle", "acc", runner.node(), copies["other idle"], ASYNCCLCACHE_BAKE=other)
         save(out)
     return out

@@ -246,8 +246,7 @@ class Cache:
             raise ValueError(f"exit_timeout must be a finite number of seconds >= 0, got {exit_timeout!r}")
         self.max_size = parse_size(max_size) if max_size is not None else cfg.max_size
         self.store = Store(directory, rank_local=rank_local, count=self._count)
-        # A job's ranks keep every core busy (one a core): "auto" leaves them to a bake after it.
-        self._bake_idle = cfg.bake == "idle" or (cfg.bake == "auto" and self.store.rank is None)
+        self._bake_idle = cfg.bakes_idle(self.store.rank)
         self._nworkers = max(1, workers)
         self._start_fresh()
         self._closed = False

@@ -15,8 +15,8 @@
 ``ASYNCCLCACHE_INSTALL``        ``1``: ``install()`` at interpreter start-up (:mod:`._startup`)
 ``ASYNCCLCACHE_STATS``          ``1``: one summary line at exit (:mod:`.summary`)
 ``ASYNCCLCACHE_BAKE``           ``idle``: bake entries on idle cores during the run (:mod:`.bake`);
-                                ``auto``: the same, but not in one of a job's ranks; ``off``
-                                (the default: :data:`DEFAULT_BAKE`)
+                                ``auto`` (the default): the same, but not in one of a job's
+                                ranks nor on fewer than 4 cores; ``off``
 =============================== ===================================================
 """
 
@@ -68,7 +68,10 @@ def strategy_in_use(name: str) -> str:
     return "auto"
 BAKE_MODES = ("off", "idle", "auto")
 #: ``ASYNCCLCACHE_BAKE`` where it is not set (docs/design.md, "Baking").
-DEFAULT_BAKE = "off"
+DEFAULT_BAKE = "auto"
+#: ``auto`` bakes on idle cores from this many cores (CPUs this process may run on) up: on
+#: 2 cores the one left beside a test suite is not idle enough (bench ``suite``: 1.04x).
+AUTO_BAKE_CORES = 4
 #: Default bound of a user's node-local copies on a node, every shared directory's
 #: (``ASYNCCLCACHE_NODE_MAX_SIZE``; :mod:`.nodecopies`).
 DEFAULT_NODE_MAX_BYTES = 2 << 30
@@ -184,6 +187,14 @@ class Config:
             bake=bake,
         )
 
+    def bakes_idle(self, rank: int | None) -> bool:
+        """Whether a cache bakes on idle cores here: ``idle``; ``auto`` but in one of a job's
+        ranks (``rank``: they keep every core busy, one a core) and on fewer than
+        :data:`AUTO_BAKE_CORES` cores."""
+        if self.bake != "auto":
+            return self.bake == "idle"
+        return rank is None and _cores() >= AUTO_BAKE_CORES
+
 
 def _path(env: Mapping[str, str], name: str) -> str | None:
     raw = env.get(name) or None  # empty: unset
@@ -199,6 +210,13 @@ def _number(env: Mapping[str, str], name: str, default: str, kind: type[float], 
 
 
 @lru_cache(maxsize=1)
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS has no affinity
+        return os.cpu_count() or 1
+
+
 def get_config() -> Config:
     """The process's settings, parsed on first use and then fixed (like ``PYOPENCL_NO_CACHE``)."""
     return Config.from_env()
