@@ -209,7 +209,6 @@ def _number(env: Mapping[str, str], name: str, default: str, kind: type[float], 
         raise ValueError(f"{name}: expected {what}, got {raw!r}") from None
 
 
-@lru_cache(maxsize=1)
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -217,6 +216,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+@lru_cache(maxsize=1)
 def get_config() -> Config:
     """The process's settings, parsed on first use and then fixed (like ``PYOPENCL_NO_CACHE``)."""
     return Config.from_env()
