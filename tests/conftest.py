@@ -32,6 +32,7 @@ os.environ["PYOPENCL_CTX"] = "portable"
 
 import pytest  # noqa: E402
 
+from _need import CI, need  # noqa: E402, F401 - tests import need from here
 from _pocl import PoclMissingError, pocl_context  # noqa: E402
 from kernels import run_twice, seed_source, small_source  # noqa: E402, F401
 
@@ -51,7 +52,7 @@ def cl_ctx() -> Any:
     try:
         return pocl_context()
     except PoclMissingError as e:
-        pytest.skip(str(e))
+        need("pocl", str(e))
     return None
 
 

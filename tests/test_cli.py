@@ -20,7 +20,7 @@ from asyncclcache.keys import FORMAT_VERSION
 from asyncclcache.ranks import RANK_ENV_VARS
 from asyncclcache.stats import add_lifetime, fold_lifetime, read_lifetime
 from asyncclcache.store import PublishResult, Store
-from conftest import run_child
+from conftest import need, run_child
 
 
 def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None,
@@ -72,7 +72,7 @@ def test_version_and_help() -> None:
 def test_python_dash_m_and_console_script_agree() -> None:
     script = Path(sys.executable).with_name("asyncclcache")
     if not script.exists():
-        pytest.skip("the console script is not installed in this environment")
+        need("the console script", "the console script is not installed in this environment")
     r = subprocess.run([str(script), "--version"], capture_output=True, text=True, check=False)
     assert r.stdout == cli("--version").stdout
 

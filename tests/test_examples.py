@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import need
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 pytestmark = pytest.mark.slow  # whole programs, cold then warm, in fresh processes (mpiexec too)
@@ -69,7 +71,7 @@ def test_mpi_example_explains_or_runs(cache_dir):
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
                            + os.environ.get("PATH", ""))
     if mpiexec is None:
-        pytest.skip("mpi4py is installed but no mpiexec was found")
+        need("mpiexec", "mpi4py is installed but no mpiexec was found")
     env = dict(os.environ, ASYNCCLCACHE_DIR=str(cache_dir))
     runs = {}
     for n in (2, 4):  # more ranks the second time: every rank hits
