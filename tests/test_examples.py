@@ -8,12 +8,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import need
+from conftest import need, session_tmp
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.slow  # whole programs, cold then warm, in fresh proces
 
 def _run(args: list[str], cache_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, ASYNCCLCACHE_DIR=str(cache_dir),
-               POCL_CACHE_DIR=tempfile.mkdtemp(prefix="acc-example-"))
+               POCL_CACHE_DIR=session_tmp("example-"))
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
                           timeout=timeout, check=False)
 

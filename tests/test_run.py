@@ -11,13 +11,12 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from asyncclcache.store import Store
-from conftest import ROOT, need
+from conftest import ROOT, need, session_tmp
 
 # A user's driver that knows nothing of asyncclcache: builds through pyopencl (two
 # programs: its own and two of pyopencl.array's), checks its results, exits with argv[1].
@@ -48,7 +47,7 @@ SUMMARY = re.compile(r"^asyncclcache(?: \[rank \d+\])?: (\d+) hits, (\d+) misses
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env.get("PYTHONPATH", "")
-    env["POCL_CACHE_DIR"] = tempfile.mkdtemp(prefix="acc-pocl-")  # a new node
+    env["POCL_CACHE_DIR"] = session_tmp("pocl-")  # a new node
     env.pop("ASYNCCLCACHE_DIR", None)
     env.update(extra)
     return env
