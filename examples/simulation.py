@@ -6,13 +6,17 @@ equation, sources and diagnostics: 12 kernels in 4 programs, built with
 
 ``python examples/simulation.py`` runs the simulation three times, each in a fresh
 process with an empty pocl kernel cache (a new node): with pyopencl as installed (no
-asyncclcache), then twice with asyncclcache on the default cache directory. It
-compares their first steps: the cold run compiles as pyopencl does, the warm run
-loads what the cold run's background work wrote. Each cached run ends with the
-exit summary line (``ASYNCCLCACHE_STATS=1``).
+asyncclcache), then twice with asyncclcache. It compares their first steps: the cold
+run compiles as pyopencl does, the warm run loads what the cold run's background work
+wrote. Each cached run ends with the exit summary line (``ASYNCCLCACHE_STATS=1``).
 
-Options: ``--steps N``, ``--size N``, ``--short`` (for tests), ``--once`` (one
-run in this process), ``--no-cache``. Honours ``PYOPENCL_CTX``.
+The cache directory is the demo's own, ``.demo-cache/`` in the checkout, emptied at each
+start (so every demo shows a cold run; ``asyncclcache list --dir .demo-cache`` shows what
+it stored), unless ``--dir`` or ``ASYNCCLCACHE_DIR`` names one, which is used as it is.
+The runs' pocl kernel caches are temporary folders, removed at the end (also on Ctrl-C).
+
+Options: ``--steps N``, ``--size N``, ``--short`` (for tests), ``--dir DIR``, ``--once``
+(one run in this process), ``--no-cache``. Honours ``PYOPENCL_CTX``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -312,11 +318,27 @@ RUNS = {
 }
 
 
+#: The demo's own cache directory, in the checkout (.gitignore): emptied at each start.
+DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".demo-cache")
+
+
+def _command(*args: str) -> str:
+    """``python -m asyncclcache ARGS`` as the user can type it here: this interpreter by its
+    path unless ``python`` on the PATH is this one (an activated venv)."""
+    python = "python"
+    found = shutil.which("python")
+    if found is None or os.path.realpath(found) != os.path.realpath(sys.executable):
+        python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd() + os.sep) else sys.executable
+    return shlex.join([python, "-m", "asyncclcache", *args])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--size", type=int, default=512, help="grid points per side")
     parser.add_argument("--short", action="store_true", help="3 steps on a 128x128 grid")
+    parser.add_argument("--dir", help="cache directory, used as it is (default: $ASYNCCLCACHE_DIR, "
+                        "else the demo's own .demo-cache, emptied first)")
     parser.add_argument("--once", action="store_true", help="one run, in this process")
     parser.add_argument("--json", action="store_true", help="(with --once) print the result as JSON")
     parser.add_argument("--no-cache", action="store_true", help="(with --once) pyopencl as installed")
@@ -330,11 +352,21 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result))
         return 0
 
+    directory = args.dir or os.environ.get("ASYNCCLCACHE_DIR")
+    if not directory:
+        directory = DEMO_DIR
+        shutil.rmtree(DEMO_DIR, ignore_errors=True)  # ours alone: every demo starts cold
+    with tempfile.TemporaryDirectory(prefix="acc-demo-") as pocl_caches:  # removed on any exit
+        return _demo(args, directory, pocl_caches)
+
+
+def _demo(args: argparse.Namespace, directory: str, pocl_caches: str) -> int:
     results = {}
     summaries = {}
     for label, what in RUNS.items():
         print(f"{label} run: {what} (a fresh process with an empty pocl kernel cache: a new node)", flush=True)
-        env = dict(os.environ, POCL_CACHE_DIR=tempfile.mkdtemp(prefix=f"acc-demo-{label}-"),
+        os.mkdir(os.path.join(pocl_caches, label))
+        env = dict(os.environ, POCL_CACHE_DIR=os.path.join(pocl_caches, label), ASYNCCLCACHE_DIR=directory,
                    ASYNCCLCACHE_STATS="1")
         cmd = [sys.executable, os.path.abspath(__file__), "--once", "--json",
                "--steps", str(args.steps), "--size", str(args.size)]
@@ -370,12 +402,14 @@ def main(argv: list[str] | None = None) -> int:
                for r in (cold, warm))
     print(f"  {'same result':22s} {'yes' if same else 'NO'}")
     if cold["misses"] == 0:
-        print("  (the cache was already populated by an earlier demo: both runs hit it;"
-              " `asyncclcache clear` starts over)")
+        print("  (the cache directory given already held these programs: both runs hit it;"
+              " without --dir and ASYNCCLCACHE_DIR the demo starts on an empty cache of its own)")
     else:
         print(f"  first step with the cache: cold {cold['first_step'] / plain['first_step']:.2f}x "
               f"pyopencl's time, warm {plain['first_step'] / max(warm['first_step'], 1e-9):.1f}x faster")
-    print("  the same without changing any code: python -m asyncclcache run your_driver.py")
+    shown = os.path.relpath(directory) if directory.startswith(os.getcwd() + os.sep) else directory
+    print(f"  what it stored: {_command('list', '--dir', shown)}")
+    print(f"  the same without changing any code: {_command('run', 'your_driver.py')}")
     return 0 if same else 1
 
 

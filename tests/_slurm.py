@@ -67,13 +67,20 @@ class Slurm:
                          for p in sorted(self.folder.glob("*.log")))
 
 
+def missing() -> str | None:
+    """Why Slurm's programs are not here, or ``None``."""
+    gone = [d for d in DAEMONS if shutil.which(d) is None]
+    if gone:
+        return f"Slurm is not installed here (no {', '.join(gone)}: apt-get install slurmctld slurmd slurm-client munge)"
+    return None
+
+
 def start(folder: Path) -> Slurm | str:
     """Start a private Slurm in ``folder``; a :class:`Slurm`, or why not (a string)."""
     if os.geteuid() != 0:
         return "a private Slurm needs root here (slurmd runs the tasks as their user)"
-    missing = [d for d in DAEMONS if shutil.which(d) is None]
-    if missing:
-        return f"Slurm is not installed here (no {', '.join(missing)}: apt-get install slurmctld slurmd slurm-client munge)"
+    if why := missing():
+        return why
     folder.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().split(".")[0]
     key = folder / "munge.key"

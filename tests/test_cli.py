@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,15 +18,16 @@ from asyncclcache import __version__
 from asyncclcache.entry import Entry
 from asyncclcache.keys import FORMAT_VERSION
 from asyncclcache.ranks import RANK_ENV_VARS
-from asyncclcache.stats import fold_lifetime, read_lifetime
+from asyncclcache.stats import add_lifetime, fold_lifetime, read_lifetime
 from asyncclcache.store import PublishResult, Store
-from conftest import run_child
+from conftest import need, run_child
 
 
 def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None,
         preexec_fn: Callable[[], None] | None = None, cwd: Path | None = None
         ) -> subprocess.CompletedProcess[str]:
-    e = {k: v for k, v in os.environ.items() if k not in RANK_ENV_VARS}
+    # Not a terminal: 80 columns, unless a test sets COLUMNS (a wide shell's is not ours).
+    e = {k: v for k, v in os.environ.items() if k not in RANK_ENV_VARS and k not in ("COLUMNS", "LINES")}
     if env:
         e.update(env)
     return subprocess.run(
@@ -70,7 +72,7 @@ def test_version_and_help() -> None:
 def test_python_dash_m_and_console_script_agree() -> None:
     script = Path(sys.executable).with_name("asyncclcache")
     if not script.exists():
-        pytest.skip("the console script is not installed in this environment")
+        need("the console script", "the console script is not installed in this environment")
     r = subprocess.run([str(script), "--version"], capture_output=True, text=True, check=False)
     assert r.stdout == cli("--version").stdout
 
@@ -120,7 +122,51 @@ def test_info_says_where_ranks_keep_node_copies(populated: tuple[Path, int], tmp
     assert info["node_copies"] == {"when": "for ranks", "max_size": 2 << 30,
                                    "directory": str(tmp_path / "local" / f"asyncclcache-{os.getuid()}")}
     off = cli("info", env=dict(env, ASYNCCLCACHE_NODE_COPIES="0", ASYNCCLCACHE_NODE_MAX_SIZE="1G"))
-    assert off.returncode == 0 and "node copies    off: " in off.stdout
+    assert off.returncode == 0 and "node copies off: " in " ".join(off.stdout.split())  # a long path: wrapped
+
+
+_LONG_DEVICE = "pthread-AMD EPYC 7B13 64-Core Processor"
+
+
+@pytest.mark.parametrize("columns", [60, 80, 200])
+def test_info_and_list_fit_the_width_and_cut_no_word(cache_dir: Path, columns: int) -> None:
+    store = Store(cache_dir)
+    kernels = {i: [f"kern_wide_radix_pass_{i}_{j}" for j in range(i)] for i in (1, 2, 9)}
+    for i, names in kernels.items():
+        key = hashlib.sha256(b"width %d" % i).hexdigest()
+        store.publish(Entry(key, (b"x" * 100,), {"devices": [{"device_name": _LONG_DEVICE}],
+                                                 "kernels": names, "created": time.time()}))
+    assert add_lifetime(store.root, {"hits": 12345, "seconds_saved": 6.6, "baked_hits": 3})
+    fold_lifetime(store.root)
+    env = {"COLUMNS": str(columns)}
+    every_name = {n for names in kernels.values() for n in names}
+
+    info = cli("info", "--dir", str(cache_dir), env=env)
+    wide = cli("info", "--dir", str(cache_dir), env={"COLUMNS": "1000"})
+    assert info.returncode == 0 and wide.returncode == 0, info.stderr + wide.stderr
+    lines = info.stdout.splitlines()
+    # Only a word that no line could hold (a long path) passes the width, alone on its line.
+    assert all(len(ln) <= columns or len(ln.split()) == 1 for ln in lines), info.stdout
+    # Wrapped between words: the same words, in order, as on a terminal wide enough.
+    assert info.stdout.split() == wide.stdout.split(), info.stdout
+    assert "6.6 s saved" in " ".join(info.stdout.split())
+    assert columns > 80 or len(lines) > len(wide.stdout.splitlines())  # wrapped, not cut
+
+    listed = cli("list", "--dir", str(cache_dir), env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert all(len(ln) <= columns for ln in listed.stdout.splitlines()), listed.stdout
+    shown = re.findall(r"kern_\w*", listed.stdout)
+    assert shown and set(shown) <= every_name, listed.stdout  # whole names only
+    left_out = sum(int(n) for n in re.findall(r"(?:…|\.\.\.)\(\+(\d+)\)", listed.stdout))
+    assert len(shown) + left_out == len(every_name), listed.stdout  # the rest counted
+    assert left_out > 0 if columns < 200 else left_out == 0 or len(kernels[9]) * 25 > columns
+    device_words = _LONG_DEVICE.split()
+    for ln in listed.stdout.splitlines():
+        if " @ " in ln and "KERNELS" not in ln:
+            words = ln.split(" @ ", 1)[1].split()
+            assert words == device_words[:len(words)] or (
+                words[:-1] == device_words[:len(words) - 1] and words[-1] in {w + "…" for w in device_words}), ln
+    assert "CREATED" in listed.stdout.splitlines()[0] if columns >= 92 else "CREATED" not in listed.stdout
 
 
 @pytest.mark.parametrize("command", ["info", "list", "verify", "stats"])
@@ -548,8 +594,9 @@ def test_every_counter_of_events_is_a_lifetime_total(cache_dir: Path) -> None:
     counters.save_lifetime(Store(cache_dir).root)
     life = _json(cli("stats", "--dir", str(cache_dir), "--json"))
     assert life == {"runs": 1, **{n: 2 for n in names if n not in NOT_LIFETIME}}
-    human = cli("stats", "--dir", str(cache_dir)).stdout.split("\n", 1)[1]
-    assert [line.split()[0] for line in human.splitlines()] == ["runs", *(n for n in names if n in life)]
+    human = cli("stats", "--dir", str(cache_dir)).stdout.splitlines()
+    first = [line.split()[0] for line in human].index("runs")  # after the heading (a long path: wrapped)
+    assert [line.split()[0] for line in human[first:]] == ["runs", *(n for n in names if n in life)]
 
 
 def test_evictions_reach_the_exit_line() -> None:

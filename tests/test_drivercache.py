@@ -25,6 +25,7 @@ from asyncclcache.drivers.kcache_files import added_files
 from asyncclcache.keys import UncertainIncludes, find_include_deps
 from asyncclcache.platforms import mesa as mesa_platform
 from asyncclcache.platforms import nvidia as nvidia_platform
+from conftest import need
 
 MESA, NVIDIA = mesa_platform.LAYOUT, nvidia_platform.LAYOUT
 
@@ -243,7 +244,13 @@ def _have_rusticl() -> bool:
         return False
 
 
-rusticl = pytest.mark.skipif(not _have_rusticl(), reason="Mesa's rusticl (mesa-opencl-icd) is not installed")
+@pytest.fixture(scope="session")
+def _rusticl_here() -> None:
+    if not _have_rusticl():
+        need("Mesa's rusticl", "Mesa's rusticl (mesa-opencl-icd) is not installed")
+
+
+rusticl = pytest.mark.usefixtures("_rusticl_here")
 
 NODE = r'''
 import json, os, sys, threading, time

@@ -8,10 +8,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from conftest import need, session_tmp
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow  # whole programs, cold then warm, in fresh proces
 
 def _run(args: list[str], cache_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, ASYNCCLCACHE_DIR=str(cache_dir),
-               POCL_CACHE_DIR=tempfile.mkdtemp(prefix="acc-example-"))
+               POCL_CACHE_DIR=session_tmp("example-"))
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
                           timeout=timeout, check=False)
 
@@ -69,7 +70,7 @@ def test_mpi_example_explains_or_runs(cache_dir):
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
                            + os.environ.get("PATH", ""))
     if mpiexec is None:
-        pytest.skip("mpi4py is installed but no mpiexec was found")
+        need("mpiexec", "mpi4py is installed but no mpiexec was found")
     env = dict(os.environ, ASYNCCLCACHE_DIR=str(cache_dir))
     runs = {}
     for n in (2, 4):  # more ranks the second time: every rank hits

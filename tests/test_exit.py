@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 
 from asyncclcache import maintenance
 from asyncclcache.store import Store
-from conftest import ROOT
+from conftest import ROOT, session_tmp
 
 HUNG_WRITE_CHILD = r"""
 import atexit, sys, time
@@ -46,7 +45,7 @@ atexit.register(lambda: print("EXITING", flush=True))
 
 
 def _run_and_interrupt(cache_dir: Path, how: str, **env: str) -> tuple[int, str, float]:
-    e = dict(os.environ, ASYNCCLCACHE_EXIT_TIMEOUT="30", POCL_CACHE_DIR=tempfile.mkdtemp(prefix="acc-pocl-"))
+    e = dict(os.environ, ASYNCCLCACHE_EXIT_TIMEOUT="30", POCL_CACHE_DIR=session_tmp("pocl-"))
     e["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env)
     code = textwrap.dedent(HUNG_WRITE_CHILD)

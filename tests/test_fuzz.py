@@ -14,15 +14,20 @@ from typing import Any
 
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from conftest import need
 
-from asyncclcache import maintenance  # noqa: E402
-from asyncclcache.entry import MAGIC, Entry, EntryFormatError, decode, encode, read_meta  # noqa: E402
-from asyncclcache.errors import AsyncCLCacheWarning  # noqa: E402
-from asyncclcache.keys import FORMAT_VERSION  # noqa: E402
-from asyncclcache.store import Store  # noqa: E402
+try:
+    import hypothesis  # noqa: F401 - the test extra brings it
+except ImportError:
+    need("hypothesis", "hypothesis is not installed (pip install '.[test]')")
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncclcache import maintenance
+from asyncclcache.entry import MAGIC, Entry, EntryFormatError, decode, encode, read_meta
+from asyncclcache.errors import AsyncCLCacheWarning
+from asyncclcache.keys import FORMAT_VERSION
+from asyncclcache.store import Store
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),

@@ -29,7 +29,7 @@ from asyncclcache import fsclock
 from asyncclcache.drivers import Lost, cachefiles, folders, kcache_folders
 from asyncclcache.platforms import pocl as pocl_platform
 from asyncclcache.store import Store
-from conftest import ROOT, child_json, run_child
+from conftest import ROOT, child_json, need, run_child
 
 # Builds N programs (kernels k0..k{N-1}, or all named "k" with constants), launches each,
 # flushes; reports the stats and each program's value and key.
@@ -161,7 +161,7 @@ def _coarse_fs(tmp: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mounting an ext4 with 1-second stamps needs root (CI runs as root)")
     if shutil.which("mkfs.ext4") is None:
-        pytest.skip("mkfs.ext4 is missing (apt-get install e2fsprogs; make test installs it as root)")
+        need("mkfs.ext4", "mkfs.ext4 is missing (apt-get install e2fsprogs; make test installs it as root)")
     image, mnt = tmp / "coarse.img", tmp / "coarse"
     mnt.mkdir()
     with open(image, "wb") as f:

@@ -18,7 +18,7 @@ import pytest
 
 from asyncclcache import maintenance
 from asyncclcache.store import Store
-from conftest import ROOT, child_json, run_child
+from conftest import ROOT, child_json, need, run_child
 
 pytestmark = pytest.mark.slow  # mpiexec, or the seed kernel at n=1000 held for seconds
 
@@ -94,7 +94,7 @@ def _mpiexec() -> str | None:
 def _mpirun(n: int, *args: str, tmp: Path, strategy: str = "auto", claim_log: Path | None = None) -> dict:
     exe = _mpiexec()
     if exe is None:
-        pytest.skip("MPI cannot start here (no mpiexec, or mpi4py missing: pip install '.[mpi]')")
+        need("MPI", "MPI cannot start here (no mpiexec, or mpi4py missing: pip install '.[mpi]')")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                ASYNCCLCACHE_STRATEGY=strategy)
     env.pop("POCL_CACHE_DIR", None)

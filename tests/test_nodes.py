@@ -35,7 +35,7 @@ from asyncclcache.nodecopies import COPY_SUFFIX, NodeCopies, node_base
 from asyncclcache.ranks import detect_node
 from asyncclcache.shared import SharedDir
 from asyncclcache.store import ENTRY_SUFFIX, PublishResult, Store
-from conftest import ROOT
+from conftest import ROOT, need
 from test_mpi import _mpiexec  # mpiexec, where MPI (with mpi4py) starts here
 
 IDENT = make_entry(key_of("x")).meta.devices
@@ -447,8 +447,16 @@ def test_node_identity_order(monkeypatch) -> None:
 # {{{ real jobs
 
 
+@pytest.fixture(scope="session")
+def strace() -> None:
+    if shutil.which("strace") is None:
+        need("strace", "counting file operations needs strace (apt-get install strace)")
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_slurm.Slurm]:
+    if os.geteuid() == 0 and (missing := _slurm.missing()):  # without root it skips below, for that
+        need("Slurm", missing)
     got = _slurm.start(tmp_path_factory.mktemp("slurm"))
     if isinstance(got, str):
         pytest.skip(got)
@@ -479,7 +487,7 @@ def _mpijob(tmp_path: Path, n: int, job: str, programs: int, nodes: int = 1, *, 
             **env: str) -> tuple[list[dict[str, Any]], str]:
     exe = _mpiexec()
     if exe is None:
-        pytest.skip("MPI cannot start here (no mpiexec: pip install '.[mpi]')")
+        need("MPI", "MPI cannot start here (no mpiexec: pip install '.[mpi]')")
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     argv = [exe, "-n", str(n), sys.executable, str(ROOT / "tests" / "_rankjob.py"), str(out), job,
@@ -508,7 +516,7 @@ def test_mpi_a_job_of_more_ranks_hits_every_program_one_entry_each(tmp_path) -> 
     assert len(_entries(tmp_path)) == 3
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="counting opens needs strace")
+@pytest.mark.usefixtures("strace")
 def test_mpi_each_node_reads_the_shared_directory_and_the_next_job_reads_nothing_there(tmp_path) -> None:
     _mpijob(tmp_path, 2, "cold", 3, ASYNCCLCACHE_NODE_COPIES="0")  # the warm job's nodes start bare
     trace = tmp_path / "strace"
@@ -541,7 +549,7 @@ def test_mpi_each_node_reads_the_shared_directory_and_the_next_job_reads_nothing
 def test_mpi_two_jobs_at_once_on_one_node(tmp_path) -> None:
     exe = _mpiexec()
     if exe is None:
-        pytest.skip("MPI cannot start here (no mpiexec: pip install '.[mpi]')")
+        need("MPI", "MPI cannot start here (no mpiexec: pip install '.[mpi]')")
     out = tmp_path / "out"
     out.mkdir()
     env = _job_env(tmp_path, 1)
@@ -664,7 +672,7 @@ def _fill(shared: Path, n: int) -> None:
     maintenance.upkeep(store)
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="counting operations needs strace")
+@pytest.mark.usefixtures("strace")
 def test_mpi_a_job_neither_lists_nor_makes_the_shared_directory_and_counts_every_rank(tmp_path) -> None:
     from asyncclcache.stats import read_lifetime
 

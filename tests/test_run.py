@@ -11,13 +11,12 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from asyncclcache.store import Store
-from conftest import ROOT
+from conftest import ROOT, need, session_tmp
 
 # A user's driver that knows nothing of asyncclcache: builds through pyopencl (two
 # programs: its own and two of pyopencl.array's), checks its results, exits with argv[1].
@@ -48,7 +47,7 @@ SUMMARY = re.compile(r"^asyncclcache(?: \[rank \d+\])?: (\d+) hits, (\d+) misses
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env.get("PYTHONPATH", "")
-    env["POCL_CACHE_DIR"] = tempfile.mkdtemp(prefix="acc-pocl-")  # a new node
+    env["POCL_CACHE_DIR"] = session_tmp("pocl-")  # a new node
     env.pop("ASYNCCLCACHE_DIR", None)
     env.update(extra)
     return env
@@ -121,7 +120,7 @@ def test_run_module_with_arguments(tmp_path, cache_dir):
 def test_run_strategy_option_and_the_console_script(driver, cache_dir, tmp_path):
     exe = Path(sys.executable).with_name("asyncclcache")
     if not exe.exists():
-        pytest.skip("no console script next to this interpreter")
+        need("the console script", "no console script next to this interpreter")
     # A strategy that is gone reaches the program (one warning there) and auto serves it.
     proc = _run([str(exe), "run", "--dir", str(cache_dir), "--strategy", "process", "--stats", str(driver)],
                 cwd=tmp_path)
@@ -308,7 +307,7 @@ def test_run_under_mpiexec_one_job_line_from_rank_0(tmp_path, cache_dir):
 
     exe = _mpiexec()
     if exe is None:
-        pytest.skip("MPI cannot start here (no mpiexec, or mpi4py missing: pip install '.[mpi]')")
+        need("MPI", "MPI cannot start here (no mpiexec, or mpi4py missing: pip install '.[mpi]')")
     script = tmp_path / "mpi_driver.py"
     script.write_text(MPI_DRIVER)
     argv = [exe, "-n", "2", sys.executable, "-m", "asyncclcache", "run", "--dir", str(cache_dir), "--stats",

@@ -681,6 +681,7 @@ class IdleBaker:
         folder = None
         try:
             folder = system.private_folder("acc-bake")  # and what killed jobs left
+            (folder / "w0").mkdir()
             keys_r, keys_w = os.pipe()
             ready_r, ready_w = os.pipe()
             baked_r, baked_w = os.pipe()
@@ -693,7 +694,9 @@ class IdleBaker:
         try:
             proc = system.start_helper(
                 "asyncclcache.bake:_idle_main", self._where, priority="idle", stopped=True, ready=ready_w,
-                env=dict(os.environ, **pocl.cache_environ(folder)),
+                # A subfolder, as a pool's worker has: its worker's other folder ("nowhere")
+                # goes beside it, in ours, not into the temp folder.
+                env=dict(os.environ, **pocl.cache_environ(folder / "w0")),
                 stdin=keys_r, stdout=baked_w, stderr=subprocess.DEVNULL,
             )
         except OSError as e:

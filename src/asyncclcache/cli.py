@@ -2,7 +2,9 @@
 
 Commands: ``info``, ``list``, ``verify``, ``prune``, ``clear``, ``stats``, ``export``,
 ``import``, ``bake`` (:mod:`.bake`); ``run`` (:mod:`.runner`) and ``bench``. Every maintenance command takes
-``--dir`` and ``--json``. Human output fits 80 columns; the JSON keys are stable. Only
+``--dir`` and ``--json``. Human output fits the terminal's width (``COLUMNS``, else 80): long
+lines are wrapped between words, long kernel lists in ``list`` end in an ellipsis; the JSON
+keys are stable. Only
 ``import`` creates a cache directory.
 
 Exit codes: 0 success; 1 ``verify`` found bad entries, or ``import`` refused an archive;
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import textwrap
 import time
@@ -35,7 +38,8 @@ __all__ = ["main"]
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
-WIDTH = 80
+WIDTH = 80  # without a terminal or COLUMNS
+MIN_WIDTH = 40  # narrower terminals wrap what they get themselves
 _AGE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _AGE_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -63,6 +67,58 @@ def _printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _width() -> int:
+    """The terminal's columns (``COLUMNS`` first, as :func:`shutil.get_terminal_size` reads it)."""
+    return max(MIN_WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns)
+
+
+def _ellipsis() -> str:
+    """One column where stdout can encode it (a C locale without UTF-8 may not)."""
+    try:
+        "\u2026".encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return "..."
+    return "\u2026"
+
+
+_LABEL_RE = re.compile(r"^(\s*\S.*?\s{2,})\S")
+
+
+def _fit(line: str, width: int) -> list[str]:
+    """``line`` wrapped between words to ``width``; continuation lines start under the value
+    after a label (text, then two spaces or more), else two columns in. A single word wider
+    than that (a long path) is kept whole on a line of its own: cut, it would be wrong."""
+    if len(line) <= width:
+        return [line]
+    label = _LABEL_RE.match(line)
+    if label and len(label.group(1)) <= width // 2:
+        indent = len(label.group(1))
+    else:
+        indent = len(line) - len(line.lstrip()) + 2
+    lines = textwrap.wrap(line, width, subsequent_indent=" " * indent, break_long_words=False,
+                          break_on_hyphens=False) or [line]
+    # A word too long for its indent moves left as far as it must, if that makes it fit.
+    return [ln if len(ln) <= width or " " in ln.strip() else " " * max(0, width - len(ln.strip())) + ln.strip()
+            for ln in lines]
+
+
+def _shorten(names: list[str], room: int) -> str:
+    """``names`` joined by commas, as many whole names as ``room`` takes, then an ellipsis
+    and how many are left out: never a name cut."""
+    full = ",".join(names)
+    if len(full) <= room:
+        return full
+    dots = _ellipsis()
+    shown: list[str] = []
+    for i, name in enumerate(names):
+        rest = f"{dots}(+{len(names) - i - 1})" if i + 1 < len(names) else ""
+        if len(",".join([*shown, name])) + (1 + len(rest) if rest else 0) > room:
+            break
+        shown.append(name)
+    left = len(names) - len(shown)
+    return ",".join([*shown, f"{dots}(+{left})"]) if shown else f"{dots}(+{left})"
 
 
 def parse_age(text: str) -> float:
@@ -183,8 +239,10 @@ def _emit(args: argparse.Namespace, data: Any, human: list[str]) -> None:
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))  # escapes control characters itself
     else:
+        width = _width()
         for line in human:
-            print(_printable(line)[:WIDTH])
+            for part in _fit(_printable(line).rstrip(), width):
+                print(part)
 
 
 def _check_writable(stores: list[Any], doing: str) -> None:
@@ -302,8 +360,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for p in info.get("platforms", []):
         human.append(f"  platform       {p['name']}: {p['version']}")
         if "strategy" in p:
-            lines = textwrap.wrap(f"{p['strategy']}: {p['reason']}", WIDTH - 17)
-            human += [f"    {'uses' if i == 0 else '':<13}{line}" for i, line in enumerate(lines)]
+            human.append(f"    uses         {p['strategy']}: {p['reason']}")
     if "opencl_error" in info:
         human.append(f"  OpenCL         unavailable: {info['opencl_error']}")
     human.append(
@@ -315,18 +372,51 @@ def cmd_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _kernels_at_devices(kernels: list[str], devices: list[str], room: int) -> str:
+    """``kernels @ devices`` in ``room`` columns where it can: whole kernel names, then an
+    ellipsis and the count left out; a long device name cut after a word (inside its first
+    word only where that alone is too long), with an ellipsis.
+    The kernels come first: the device name gets what they leave, down to a third."""
+    kernels = [_printable(k) for k in kernels] or ["?"]
+    dev = ",".join(_printable(d) for d in devices)
+    if len(",".join(kernels)) + 3 + len(dev) <= room:
+        return f"{','.join(kernels)} @ {dev}"
+    for dev_room in (len(dev), (room - 3) // 2, (room - 3) // 3):
+        kern = _shorten(kernels, room - 3 - min(dev_room, len(dev)))
+        if not kern.startswith(_ellipsis()):
+            break
+    left = max(room - 3 - len(kern), 1)
+    if len(dev) > left:
+        dots = _ellipsis()
+        cut = textwrap.shorten(dev, left, placeholder=dots)
+        # A first word longer than the room: its start, marked cut, beats an ellipsis alone.
+        dev = cut if cut != dots else dev[:max(left - len(dots), 1)] + dots
+    return f"{kern} @ {dev}"
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     rows = _listing(_stores(args), args.device)
-    human = [f"{'KEY':12s} {'KIND':6s} {'SIZE':>7s} {'CREATED':16s} {'LAST USED':16s} KERNELS @ DEVICE"]
+    width = _width()
+    # Key, kind, size, last used: 45 columns. CREATED where the kernels still get 30 more;
+    # kernels @ device on a line of their own where they would get fewer than 20.
+    created = width - 62 >= 30
+    fixed = 62 if created else 45
+    below = width - fixed < 20
+    room = width - 4 if below else width - fixed
+    head = (f"{'KEY':12s} {'KIND':6s} {'SIZE':>7s} " + (f"{'CREATED':16s} " if created else "")
+            + f"{'LAST USED':16s}")
+    human = [head, "    KERNELS @ DEVICE"] if below else [f"{head} KERNELS @ DEVICE"]
     for r in rows:
         if r["damaged"]:
             what = "damaged: see asyncclcache verify"
         else:
-            what = f"{','.join(r['kernels']) or '?'} @ {','.join(r['devices'])}"
-        human.append(
-            f"{r['key'][:12]} {(r['kind'] or 'bad')[:6]:6s} {_human(r['size']):>7s} "
-            f"{_when(r['created']):16s} {_when(r['last_used']):16s} {what}"
-        )
+            what = _kernels_at_devices(r["kernels"], r["devices"], room)
+        row = (f"{r['key'][:12]} {(r['kind'] or 'bad')[:6]:6s} {_human(r['size']):>7s} "
+               + (f"{_when(r['created']):16s} " if created else "") + f"{_when(r['last_used']):16s}")
+        if not below and what.startswith(_ellipsis()):  # not one kernel name fits: a line of their own
+            human += [row, f"    {_kernels_at_devices(r['kernels'], r['devices'], width - 4)}"]
+        else:
+            human += [row, f"    {what}"] if below else [f"{row} {what}"]
     human.append(f"{len(rows)} entries, {_human(sum(r['size'] for r in rows))}")
     damaged = sum(r["damaged"] for r in rows)
     if damaged:
@@ -469,8 +559,9 @@ def _bake_report(result: Any) -> tuple[dict[str, Any], list[str]]:
     human = [f"asyncclcache bake: {result.line()}"]
     for what, reasons in (("skipped", result.skipped), ("failed ", result.failed)):
         for why, n in sorted(reasons.items()):
-            # Wrapped, not cut at 80 columns: the end of a reason is often the point.
-            lines = textwrap.wrap(_printable(why), WIDTH - 16) or [""]
+            # Wrapped, not cut: the end of a reason is often the point.
+            lines = textwrap.wrap(_printable(why), _width() - 16, break_long_words=False,
+                                  break_on_hyphens=False) or [""]
             human += [f"  {what} {n:4d}  {lines[0]}", *(f"{'':16s}{line}" for line in lines[1:])]
     return data, human
 
