@@ -412,7 +412,7 @@ FEED = r"""
 import json, os, sys, threading, time
 import asyncclcache.bake as bake
 from asyncclcache.store import Store
-bake.IDLE_CORES = 2.0  # never idle enough: it stays stopped
+bake.IDLE_CORES = float("inf")  # never idle enough: it stays stopped
 bake.IdleBaker._until_idle = lambda self: self._state == "starting"  # but started at once
 baker = bake.IdleBaker(Store(sys.argv[1], rank_local=False))
 def feed():
@@ -457,7 +457,7 @@ import pyopencl as cl, asyncclcache as acc, asyncclcache.bake as bake
 from kernels import small_source
 from _pocl import pocl_context
 from _procs import state
-bake.IDLE_CORES = 2.0  # a busy node: stopped, once started (a core was idle at its start)
+bake.IDLE_CORES = float("inf")  # a busy node: stopped, once started (a core was idle at its start)
 bake.IdleBaker._until_idle = lambda self: self._state == "starting"
 ctx = pocl_context()
 cache = acc.Cache(sys.argv[1], rank_local=False)
@@ -592,7 +592,7 @@ BUSY = r"""
 import json, sys, time
 import asyncclcache.bake as bake
 from asyncclcache.store import Store
-bake.IDLE_CORES = 2.0  # never a core idle
+bake.IDLE_CORES = float("inf")  # never a core idle
 baker = bake.IdleBaker(Store(sys.argv[1], rank_local=False))
 baker.add(64 * "a")
 time.sleep(1.0)  # ten samples of the gate
