@@ -818,13 +818,13 @@ def _release(proc: subprocess.Popen[bytes] | None, fd: int | None, folder: Path 
 
 def _idle_main() -> int:
     """The idle baker (started by :class:`IdleBaker`): one key a line on stdin, until EOF
-    or the parent goes."""
+    or the parent goes. The newest key first: a test suite or a solver builds again what it
+    built last, and an older key baked late still serves the next run."""
     base, rank_local, rank = sys.argv[1:4]
     _init_worker()
     store = Store(base, rank_local=rank_local == "1", rank=int(rank) if rank else None, create=False)
-    for line in _lines(sys.stdin.buffer, os.getppid()):
-        key = line.decode(errors="replace").strip()
-        if len(key) == 64 and store.writable and _worker is not None:
+    for key in _newest_first(sys.stdin.fileno(), os.getppid()):
+        if store.writable and _worker is not None:
             try:
                 status, why = _worker.bake(store, key)
             except Exception as e:  # noqa: BLE001 - the next key
@@ -836,12 +836,23 @@ def _idle_main() -> int:
     return 0
 
 
-def _lines(stream: Any, parent: int) -> Iterator[bytes]:
-    while os.getppid() == parent:
-        line = stream.readline()
-        if not line:
-            return
-        yield line
+def _newest_first(fd: int, parent: int) -> Iterator[str]:
+    """The keys written to ``fd``, each time the newest of those read (every line written
+    so far is read first), until EOF and none is left, or ``parent`` is gone."""
+    pending: list[str] = []
+    partial = b""
+    open_ = True
+    while os.getppid() == parent and (open_ or pending):
+        if open_ and select.select([fd], [], [], 0.0 if pending else 1.0)[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                open_ = False
+                continue
+            *lines, partial = (partial + chunk).split(b"\n")
+            pending += [k for k in (line.decode(errors="replace").strip() for line in lines) if len(k) == 64]
+            continue
+        if pending:
+            yield pending.pop()
 
 
 # }}}
