@@ -14,8 +14,8 @@ one after the other, each a fresh process on a new node (empty driver caches):
 * ``baked``: that directory after ``asyncclcache bake`` (docs/ci.md's recipe);
 * ``new machine, idle baking {on|off}``: the other setting of ``ASYNCCLCACHE_BAKE``.
 
-asyncclcache's runs have the default ``ASYNCCLCACHE_BAKE`` (``auto``: idle baking from 4
-cores up), but the last.
+asyncclcache's runs have the default ``ASYNCCLCACHE_BAKE`` (``auto``: idle baking, but in a
+job's ranks and on a single core), but the last.
 
 Timed: the whole process, start to exit (asyncclcache's exit included); the CPU of the
 caller's thread in ``build()`` outside the driver's build call, per build (pyopencl's own

@@ -37,7 +37,7 @@ for _var in list(os.environ):
     if _var.startswith("ASYNCCLCACHE_") or _var == "PYOPENCL_NO_CACHE":
         del os.environ[_var]
 os.environ["ASYNCCLCACHE_DIR"] = session_tmp("default-")
-# Idle baking (on by default from 4 cores) only where a test asks for it: a helper process
+# Idle baking (on by default) only where a test asks for it: a helper process
 # of every cache would change what the others count and time.
 os.environ["ASYNCCLCACHE_BAKE"] = "off"
 # Node-local copies of the tests' ranks: not in the machine's /tmp/asyncclcache-<uid>.

@@ -16,7 +16,7 @@
 ``ASYNCCLCACHE_STATS``          ``1``: one summary line at exit (:mod:`.summary`)
 ``ASYNCCLCACHE_BAKE``           ``idle``: bake entries on idle cores during the run (:mod:`.bake`);
                                 ``auto`` (the default): the same, but not in one of a job's
-                                ranks nor on fewer than 4 cores; ``off``
+                                ranks nor on a single core; ``off``
 =============================== ===================================================
 """
 
@@ -69,9 +69,10 @@ def strategy_in_use(name: str) -> str:
 BAKE_MODES = ("off", "idle", "auto")
 #: ``ASYNCCLCACHE_BAKE`` where it is not set (docs/design.md, "Baking").
 DEFAULT_BAKE = "auto"
-#: ``auto`` bakes on idle cores from this many cores (CPUs this process may run on) up: on
-#: 2 cores the one left beside a test suite is not idle enough (bench ``suite``: 1.04x).
-AUTO_BAKE_CORES = 4
+#: ``auto`` bakes on idle cores from this many cores (CPUs this process may run on) up: one
+#: core is never idle beside the process. On 2 cores a test suite's cold run baked 39 of its
+#: 40 entries and ran in 0.90 of its time without a cache (bench ``suite``, issue 35).
+AUTO_BAKE_CORES = 2
 #: Default bound of a user's node-local copies on a node, every shared directory's
 #: (``ASYNCCLCACHE_NODE_MAX_SIZE``; :mod:`.nodecopies`).
 DEFAULT_NODE_MAX_BYTES = 2 << 30

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class KcacheDriver(BackgroundDriver):
         #: Entries a hit here restored and pocl used, with their folders: a repeat (a new
         #: context) finds them in pocl's cache still, and restores and checks nothing.
         self._placed: dict[str, tuple[str, ...]] = {}
+        self._placed_lock = threading.Lock()
 
     # {{{ caller's threads
 
@@ -189,14 +191,16 @@ class KcacheDriver(BackgroundDriver):
         self._of(job).written = frozenset(snap.files or ())
 
     def build_from_entry(self, entry: Entry, build: Build) -> Hit:
-        placed = self._placed.get(entry.key)
+        with self._placed_lock:
+            placed = self._placed.get(entry.key)
         if placed is not None and all(self._holds(f) for f in placed):
             return Hit(HitOutcome.USED, build.from_source(), "", placed)
         hit = self._restore_and_build(entry, build)
         if hit.outcome is HitOutcome.USED:
-            if len(self._placed) >= MAX_PLACED:
-                self._placed.pop(next(iter(self._placed)), None)
-            self._placed[entry.key] = hit.folders
+            with self._placed_lock:
+                if len(self._placed) >= MAX_PLACED:
+                    del self._placed[next(iter(self._placed))]
+                self._placed[entry.key] = hit.folders
         return hit
 
     def _holds(self, folder: str) -> bool:
