@@ -45,6 +45,13 @@ print(json.dumps({"ok": ok, "built": built, "launched": launched, "keys": [p.cac
 """
 
 
+def _idle(tmp: Path, **env: str) -> dict[str, str]:
+    """A child's environment with idle baking on and a temp folder of the test's own: what a
+    killed baker leaves (its pocl cache) stays there, not in the session's temp folder."""
+    (tmp / "tmp").mkdir(exist_ok=True)
+    return {"ASYNCCLCACHE_BAKE": "idle", "TMPDIR": str(tmp / "tmp"), **env}
+
+
 def _run(cache_dir: Path, tmp: Path, n: int = 2, local: int = 64, env: dict[str, str] | None = None) -> dict:
     return child_json(run_child(RUN, str(cache_dir), str(n), str(local), pocl_cache=tmp, env=env))
 
@@ -120,8 +127,13 @@ def test_jobs_2_gives_the_same_entries_as_jobs_1(cache_dir: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill", "ctrl-c"])
-def test_a_killed_bake_leaves_no_partial_entry(cache_dir: Path, tmp_path: Path, sig: int) -> None:
+def test_a_killed_bake_leaves_no_partial_entry(
+        cache_dir: Path, tmp_path: Path, sig: int, monkeypatch: pytest.MonkeyPatch) -> None:
     _run(cache_dir, tmp_path / "cold", n=4)
+    # Its workers' pocl caches: what a kill leaves (the next bake removes those of processes
+    # gone) stays in the test's own temp folder.
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     proc = subprocess.Popen([sys.executable, "-m", "asyncclcache", "bake", "--dir", str(cache_dir), "--jobs", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     store = Store(cache_dir, rank_local=False, create=False)
@@ -191,7 +203,7 @@ print(json.dumps({"baked": baked(), "close_s": close_s, "gone": gone, "sent": ca
 def test_idle_baking_bakes_what_the_run_wrote(cache_dir: Path, tmp_path: Path) -> None:
     # The gate opened whatever the machine's load (a busy machine kept it shut past the wait).
     out = child_json(run_child(EAGER + IDLE, str(cache_dir), "3", "wait", pocl_cache=tmp_path / "p",
-                               env={"ASYNCCLCACHE_BAKE": "idle"}))
+                               env=_idle(tmp_path)))
     assert (out["sent"], out["baked"]) == (3, 3) and out["gone"], out
     warm = _run(cache_dir, tmp_path / "warm", n=3)  # the same programs, on a new node
     assert (warm["hits"], warm["baked_hits"]) == (3, 3), warm
@@ -231,7 +243,7 @@ def test_a_program_built_again_loads_what_the_idle_baker_baked_from_its_hit(
     assert (cold["writes"], cold["baked_hits"]) == (3, 0), cold
     assert not _baked(cache_dir)
     out = child_json(run_child(EAGER + REPEATS, str(cache_dir), "3", pocl_cache=tmp_path / "new",
-                               env={"ASYNCCLCACHE_BAKE": "idle"}))
+                               env=_idle(tmp_path)))
     # Hits handed to the baker (nothing was written here), then loaded from its binaries.
     assert out["first"] == ["cache retrieval"] * 3 and out["sent"] == 3, out
     assert out["last"] == ["cache retrieval (baked binary)"] * 3 and out["ok"], out
@@ -242,7 +254,7 @@ def test_a_program_built_again_loads_what_the_idle_baker_baked_from_its_hit(
 def test_idle_baking_is_never_waited_for(cache_dir: Path, tmp_path: Path) -> None:
     started = time.monotonic()
     out = child_json(run_child(IDLE, str(cache_dir), "3", "now", pocl_cache=tmp_path / "p",
-                               env={"ASYNCCLCACHE_BAKE": "idle"}))
+                               env=_idle(tmp_path)))
     # close() killed the helper wherever it was (or before it started: those keys were not
     # queued); what it baked is whole, the rest stays kcache.
     assert out["sent"] + out["not_queued"] == 3 and out["gone"] and out["close_s"] < 2.0, out
@@ -471,9 +483,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_stopped_idle_baker_dies_with_its_killed_job(cache_dir: Path) -> None:
+def test_a_stopped_idle_baker_dies_with_its_killed_job(cache_dir: Path, tmp_path: Path) -> None:
     # Case 4: it was stopped before it could set its death signal, and stayed stopped for good.
-    proc = run_child(KILLED_JOB, str(cache_dir), env={"ASYNCCLCACHE_BAKE": "idle"}, check=False)
+    proc = run_child(KILLED_JOB, str(cache_dir), env=_idle(tmp_path), check=False)
     assert proc.returncode == -signal.SIGKILL and "BAKER" in proc.stdout, proc.stderr
     _, sent, pid, st = proc.stdout.split()
     try:
@@ -527,7 +539,7 @@ def test_the_idle_baker_and_bakes_workers_never_import_from_the_working_folder(
     monkeypatch.chdir(folder)
     try:
         out = child_json(run_child(SAFE_PATH + EAGER + IDLE, str(cache_dir), "1", "wait", pocl_cache=tmp_path / "p",
-                                   env={"ASYNCCLCACHE_BAKE": "idle"}))
+                                   env=_idle(tmp_path)))
     finally:
         _kill_left(str(cache_dir))
     assert sorted(p.name for p in marks.iterdir()) == []
@@ -576,7 +588,7 @@ def test_a_relative_cache_directory_survives_a_chdir_and_the_idle_baker_finds_it
     monkeypatch.chdir(tmp_path)
     try:
         out = child_json(run_child(EAGER + RELATIVE, str(tmp_path / "acc"), pocl_cache=tmp_path / "p",
-                                   env={"ASYNCCLCACHE_DIR": "acc", "ASYNCCLCACHE_BAKE": "idle"}))
+                                   env=_idle(tmp_path, ASYNCCLCACHE_DIR="acc")))
     finally:
         _kill_left(str(tmp_path / "acc"))
     assert out["ok"] and out["flushed"] and out["directory"].startswith(str(tmp_path / "acc")), out
