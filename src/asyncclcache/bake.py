@@ -562,6 +562,9 @@ IDLE_CORES = 0.9
 GATE_SECONDS = 0.1
 #: Keys held while the baker starts; beyond these they are not queued (counted).
 EARLY_KEYS = 1024
+#: Keys a process remembers handing over (once each), and the longest line it reads back.
+MAX_SENT = 1 << 17
+MAX_LINE = 256
 
 
 class IdleBaker:
@@ -600,6 +603,8 @@ class IdleBaker:
         with self._lock:
             if self._state == "closed" or key in self._sent:
                 return
+            if len(self._sent) >= MAX_SENT:  # a code generator's thousands: a key again is skipped there
+                self._sent.clear()
             self._sent.add(key)
             if self._state == "new":
                 self._state = "starting"
@@ -778,6 +783,7 @@ class IdleBaker:
                 fd = None
                 continue
             *lines, self._pending = (self._pending + chunk).split(b"\n")
+            self._pending = self._pending[-MAX_LINE:]  # a key is 64 bytes: the rest is not ours
             for line in lines:
                 key = line.decode(errors="replace").strip()
                 with self._lock:
