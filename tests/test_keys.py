@@ -652,6 +652,7 @@ def test_a_repeat_looks_up_its_includes_again(
     shadowed = make_key(INCLUDING, OPTIONS, cl_ctx.devices, path)
     assert [d.path for d in shadowed.deps] == [os.path.realpath(early / "hdr.h")]
     assert shadowed.key != first.key
+    assert make_key(INCLUDING, OPTIONS, cl_ctx.devices, path) is shadowed  # kept in its place
     (early / "hdr.h").unlink()
     (late / "hdr.h").unlink()  # gone: uncacheable, not the key made before
     assert make_key(INCLUDING, OPTIONS, cl_ctx.devices, path).uncertain is not None

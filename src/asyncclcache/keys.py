@@ -561,10 +561,12 @@ class _Made:
         if environ != self.environ():
             return  # the environment changed while the key was made: it may hold either
         with self._lock:
-            if environ != self._environ or fingerprint in self._keys:
+            if environ != self._environ:
                 return
-            self._keys[fingerprint] = (info, scan)
-            self._bytes += nbytes
+            if fingerprint not in self._keys:
+                self._bytes += nbytes
+            self._keys[fingerprint] = (info, scan)  # made again (a header changed): the new one
+            self._keys.move_to_end(fingerprint)
             while self._keys and (len(self._keys) > self.MAX_KEYS or self._bytes > self.MAX_BYTES):
                 old, _ = self._keys.popitem(last=False)
                 self._bytes -= len(old[0])  # type: ignore[arg-type]
