@@ -618,3 +618,28 @@ def test_an_idle_baker_starts_no_helper_while_no_core_is_idle(cache_dir: Path) -
     out = child_json(run_child(BUSY, str(cache_dir)))
     assert out == {"started": False, "sent": 0, "not_queued": 1}, out
     assert not with_args(str(cache_dir))
+
+
+# A child: its process ends (as an interpreter exit ends a daemon thread) while the gate
+# thread is starting the helper, slowly: the folder the gate made must go with close().
+ENDS_WHILE_STARTING = r"""
+import os, sys, time
+import asyncclcache.bake as bake, asyncclcache.system as system
+from asyncclcache.store import Store
+bake.IdleBaker._until_idle = lambda self: self._state == "starting"
+start_helper = system.start_helper
+system.start_helper = lambda *a, **k: (time.sleep(3.0), start_helper(*a, **k))[1]
+baker = bake.IdleBaker(Store(sys.argv[1], rank_local=False))
+baker.add(64 * "a")
+time.sleep(0.5)  # the gate is in start_helper
+baker.close()
+print("closed", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_process_that_ends_while_its_baker_starts_leaves_no_folder(cache_dir: Path, tmp_path: Path) -> None:
+    env = _idle(tmp_path)
+    proc = run_child(ENDS_WHILE_STARTING, str(cache_dir), env=env)
+    assert "closed" in proc.stdout
+    assert list(Path(env["TMPDIR"]).iterdir()) == []

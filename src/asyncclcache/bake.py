@@ -686,6 +686,15 @@ class IdleBaker:
         folder = None
         try:
             folder = system.private_folder("acc-bake")  # and what killed jobs left
+            with self._lock:
+                # Whoever ends the baker from now on removes it: a process that exits while
+                # this (daemon) thread starts the helper leaves no folder behind.
+                closed = self._state != "starting"
+                if not closed:
+                    self._dir = folder
+            if closed:
+                shutil.rmtree(folder, ignore_errors=True)
+                return None
             (folder / "w0").mkdir()
             keys_r, keys_w = os.pipe()
             ready_r, ready_w = os.pipe()
