@@ -314,13 +314,13 @@ def test_activation_with_a_bad_setting_says_so_and_the_program_runs() -> None:
 def test_idle_baking_is_on_by_default_but_in_a_jobs_ranks_and_on_one_core(monkeypatch) -> None:
     # Issue 35: a test suite's cold run on 2 cores baked 39 of its 40 entries on the idle core
     # and ran in 0.90 of its time without a cache; a job's ranks keep every core busy.
-    from asyncclcache import config
+    from asyncclcache import config, system
 
     assert config.Config.from_env({}).bake == "auto"
-    monkeypatch.setattr(config, "_cores", lambda: 2)
+    monkeypatch.setattr(system, "usable_cores", lambda: 2)
     auto = config.Config.from_env({})
     assert auto.bakes_idle(None) and not auto.bakes_idle(0)
-    monkeypatch.setattr(config, "_cores", lambda: 1)
+    monkeypatch.setattr(system, "usable_cores", lambda: 1)
     assert not auto.bakes_idle(None)
     assert config.Config.from_env({"ASYNCCLCACHE_BAKE": "idle"}).bakes_idle(0)
     assert not config.Config.from_env({"ASYNCCLCACHE_BAKE": "off"}).bakes_idle(None)

@@ -665,15 +665,13 @@ class IdleBaker:
         """Whether a core was idle before :meth:`close` (sampled every :data:`GATE_SECONDS`)."""
         from . import system
 
-        ncpu = os.cpu_count() or 1
         before = system.cpu_sample(os.getpid())
         while before is not None and self._state == "starting":
             time.sleep(GATE_SECONDS)
             now = system.cpu_sample(os.getpid())
             if now is None:
                 break
-            elapsed = (now[0] - before[0]) / ncpu
-            if elapsed > 0 and (now[1] - before[1]) / elapsed >= IDLE_CORES:
+            if system.idle_cores(before, now, own_idle=False) >= IDLE_CORES:  # this job's CPU is busy
                 return self._state == "starting"
             before = now
         if self._state == "starting":
@@ -752,7 +750,6 @@ class IdleBaker:
     def _run_gate(self, proc: subprocess.Popen[bytes]) -> None:
         from . import system
 
-        ncpu = os.cpu_count() or 1
         before = system.cpu_sample(proc.pid)
         running = False
         while before is not None and proc.poll() is None:
@@ -760,10 +757,8 @@ class IdleBaker:
             now = system.cpu_sample(proc.pid)
             if now is None:
                 return
-            elapsed = (now[0] - before[0]) / ncpu  # ticks of one core
-            idle = (now[1] - before[1]) + (now[2] - before[2])
+            want = system.idle_cores(before, now, own_idle=True) >= IDLE_CORES  # the helper's use: idle
             before = now
-            want = elapsed > 0 and idle / elapsed >= IDLE_CORES
             with self._lock:
                 if self._state != "running":
                     return

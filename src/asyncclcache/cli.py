@@ -140,10 +140,9 @@ def _jobs_arg(text: str) -> int:
 
 
 def _default_jobs() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    from .system import usable_cores
+
+    return usable_cores()
 
 
 def _size_arg(text: str) -> int:

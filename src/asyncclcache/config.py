@@ -194,7 +194,9 @@ class Config:
         :data:`AUTO_BAKE_CORES` cores."""
         if self.bake != "auto":
             return self.bake == "idle"
-        return rank is None and _cores() >= AUTO_BAKE_CORES
+        from .system import usable_cores  # off the import path of a warm start
+
+        return rank is None and usable_cores() >= AUTO_BAKE_CORES
 
 
 def _path(env: Mapping[str, str], name: str) -> str | None:
@@ -208,13 +210,6 @@ def _number(env: Mapping[str, str], name: str, default: str, kind: type[float], 
         return kind(raw)
     except ValueError:
         raise ValueError(f"{name}: expected {what}, got {raw!r}") from None
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # macOS has no affinity
-        return os.cpu_count() or 1
 
 
 @lru_cache(maxsize=1)

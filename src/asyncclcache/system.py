@@ -153,6 +153,25 @@ def _watch(parent: int) -> None:
 # {{{ /proc
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (at least 1): its affinity, else every CPU (macOS
+    has no affinity)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def idle_cores(before: tuple[int, int, int], now: tuple[int, int, int], *, own_idle: bool) -> float:
+    """Cores' worth of idle time between two :func:`cpu_sample` of the same ``pid``, that
+    process's CPU counted as idle where ``own_idle`` (``-inf`` where no time passed: not
+    known to be idle, whatever the threshold)."""
+    elapsed = (now[0] - before[0]) / (os.cpu_count() or 1)  # ticks of one core
+    if elapsed <= 0:
+        return float("-inf")
+    return ((now[1] - before[1]) + (now[2] - before[2] if own_idle else 0)) / elapsed
+
+
 def cpu_sample(pid: int) -> tuple[int, int, int] | None:
     """``(all CPU ticks, idle ticks, ticks of pid and its children)`` now, or ``None``
     where the system does not say (no ``/proc``)."""
