@@ -212,6 +212,41 @@ def test_idle_baking_bakes_what_the_run_wrote(cache_dir: Path, tmp_path: Path) -
     assert warm["refreshes"] == 3 and _bake(cache_dir)["baked"] == 3
 
 
+# Issue 40: a pocl setting changed with os.putenv (as a C library's setenv changes it) after
+# the program was baked. pocl reads the process's environment at every build, not os.environ.
+PUTENV = r"""
+import json, os, sys
+import numpy as np, pyopencl as cl, asyncclcache as acc
+from _pocl import pocl_context
+SRC = "#ifndef VAL\n#define VAL 1\n#endif\n__kernel void f(__global float *c) { c[get_global_id(0)] = VAL; } // putenv"
+cache = acc.Cache(sys.argv[1], rank_local=False)
+def value(program):
+    ctx = pocl_context(); q = cl.CommandQueue(ctx)
+    prg = program(ctx).build()
+    how = (prg._build_duration_info or [None])[0]  # before a launch resets it
+    c = np.zeros(8, np.float32); cd = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, c.nbytes)
+    prg.f(q, c.shape, None, cd); cl.enqueue_copy(q, c, cd); q.finish()
+    return float(c[0]), how
+out = {"before": value(lambda ctx: acc.Program(ctx, SRC, cache=cache))}
+if sys.argv[2:]:
+    os.putenv("POCL_EXTRA_BUILD_FLAGS", "-DVAL=7")
+    out["after"] = value(lambda ctx: acc.Program(ctx, SRC, cache=cache))
+    out["plain"] = value(lambda ctx: cl.Program(ctx, SRC))
+cache.flush(60)
+print(json.dumps(out))
+"""
+
+
+def test_a_setting_changed_with_putenv_after_a_bake_builds_as_pyopencl_does(cache_dir: Path, tmp_path: Path) -> None:
+    cold = child_json(run_child(PUTENV, str(cache_dir), pocl_cache=tmp_path / "cold"))
+    assert cold["before"][0] == 1.0, cold
+    assert _bake(cache_dir)["baked"] == 1
+    out = child_json(run_child(PUTENV, str(cache_dir), "putenv", pocl_cache=tmp_path / "warm"))
+    assert out["before"] == [1.0, "cache retrieval (baked binary)"], out
+    assert out["plain"][0] == 7.0, out  # what pocl makes of the setting
+    assert out["after"][0] == 7.0, out
+
+
 # A new machine (issue 35): the programs hit their kcache entries in one context; then each
 # is built again, in a new context a round, until it comes baked, within less than the
 # minute a process takes "not baked" for an answer: only the idle baker's word can do that.
@@ -636,6 +671,45 @@ baker.close()
 print("closed", flush=True)
 os._exit(0)
 """
+
+
+# Issue 40: fork-pool workers end with os._exit (never closing their caches) or are killed;
+# each started an idle baker of its own, whose folder stayed in TMPDIR.
+FORK_POOL = r"""
+import json, multiprocessing as mp, os, signal, sys
+import asyncclcache as acc
+from kernels import small_source, run_twice
+from _pocl import pocl_context
+inherited = acc.Cache(sys.argv[1], rank_local=False)  # made before the fork, as install() does
+def work(i, kill=False):
+    ctx = pocl_context()
+    own = acc.Cache(sys.argv[1], rank_local=False)  # made in the worker
+    ok = run_twice(ctx, acc.Program(ctx, small_source(f"twice{i}", salt="fork"), cache=inherited).build(), f"twice{i}")
+    ok = ok and run_twice(ctx, acc.Program(ctx, small_source(f"own{i}", salt="fork"), cache=own).build(), f"own{i}")
+    inherited.flush(60)
+    own.flush(60)
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ok, inherited._baker is None and own._baker is None
+fork = mp.get_context("fork")
+with fork.Pool(2) as pool:
+    results = pool.map(work, range(2))
+    pool.close()
+    pool.join()
+killed = fork.Process(target=work, args=(2, True))
+killed.start()
+killed.join(120)
+print(json.dumps({"results": results, "killed": killed.exitcode,
+                  "left": sorted(os.listdir(os.environ["TMPDIR"])), "written": len(list(inherited.store.entries()))}))
+"""
+
+
+def test_forked_workers_start_no_baker_and_leave_nothing(cache_dir: Path, tmp_path: Path) -> None:
+    out = child_json(run_child(EAGER + FORK_POOL, str(cache_dir), pocl_cache=tmp_path / "p", env=_idle(tmp_path)))
+    assert out["results"] == [[True, True]] * 2 and out["killed"] == -signal.SIGKILL, out
+    assert out["written"] == 6, out  # the workers' entries, for a later bake
+    assert [n for n in out["left"] if n.startswith("acc-bake")] == [], out
+    assert list((tmp_path / "tmp").glob("acc-bake-*")) == []
 
 
 def test_a_process_that_ends_while_its_baker_starts_leaves_no_folder(cache_dir: Path, tmp_path: Path) -> None:

@@ -666,6 +666,51 @@ def test_a_repeat_looks_up_its_includes_again(
     assert here.key != there.key and [d.path for d in there.deps] == [os.path.realpath(late / "hdr.h")]
 
 
+def test_a_setting_changed_where_the_driver_reads_it_changes_the_key(cl_ctx: Any) -> None:
+    # Issue 40: os.putenv and a C library's setenv change what pocl's getenv reads, not
+    # os.environ; the key (made or taken again) follows what pocl reads.
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    first = make_key(SOURCE, OPTIONS, cl_ctx.devices, [])
+    assert "POCL_WORK_GROUP_SPECIALIZATION" not in os.environ
+    try:
+        os.putenv("POCL_WORK_GROUP_SPECIALIZATION", "0")
+        putenv = make_key(SOURCE, OPTIONS, cl_ctx.devices, [])
+        assert putenv.key != first.key
+        assert make_key(SOURCE, OPTIONS, cl_ctx.devices, []) is putenv  # taken again while unchanged
+        assert libc.setenv(b"POCL_WORK_GROUP_SPECIALIZATION", b"1", 1) == 0  # C, in place of the value
+        setenv = make_key(SOURCE, OPTIONS, cl_ctx.devices, [])
+        assert setenv.key not in (first.key, putenv.key)
+    finally:
+        os.unsetenv("POCL_WORK_GROUP_SPECIALIZATION")
+    assert make_key(SOURCE, OPTIONS, cl_ctx.devices, []).key == first.key
+
+
+def test_the_environment_read_where_the_c_library_keeps_it_falls_back_to_os_environ(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncclcache import system
+
+    assert system.process_environ()["POCL_CACHE_DIR"] == os.environ["POCL_CACHE_DIR"]
+    stamp = system.environ_stamp()
+    assert system.environ_stamp() == stamp
+    os.putenv("ACC_TEST_PUTENV", "1")
+    try:
+        assert system.environ_stamp() != stamp and system.process_environ()["ACC_TEST_PUTENV"] == "1"
+    finally:
+        os.unsetenv("ACC_TEST_PUTENV")
+    assert "ACC_TEST_PUTENV" not in system.process_environ() and system.environ_stamp() == stamp
+
+    class Unreadable:  # what a C library without a readable environ gives
+        available = False
+
+    monkeypatch.setattr(system, "_c_environ", Unreadable())
+    assert system.process_environ() is os.environ
+    before = system.environ_stamp()
+    monkeypatch.setenv("ACC_TEST_SETENV", "1")
+    assert system.environ_stamp() != before
+
+
 def test_only_settings_the_environment_decides_let_a_key_be_taken_again() -> None:
     from asyncclcache.platforms import intel, mesa, nvidia, pocl, pocl_cuda
 

@@ -82,3 +82,16 @@ def test_a_bad_setting_warns_and_the_session_runs_uncached(tmp_path: Path) -> No
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SettingWarning" in r.stdout + r.stderr and "ASYNCCLCACHE_DIR" in r.stdout + r.stderr
     assert "1 passed" in r.stdout
+
+
+def test_under_xdist_the_summary_sums_every_workers_builds(tmp_path: Path) -> None:
+    # Issue 40: `pytest -n 2 -p asyncclcache` said 0 hits, 0 misses, 0 writes (the controller's).
+    pytest.importorskip("xdist", reason="pytest-xdist (the test extra) is not installed")
+    project = _project(tmp_path, "[pytest]\nasyncclcache_dir = .acc-cache\n")
+    (project / "test_more.py").write_text(SUITE.replace("twice", "thrice").replace("*= 2", "*= 3")
+                                          .replace("2 * np", "3 * np"))
+    cold = _session(project, tmp_path, "cold", "-n", "2", "-p", "asyncclcache")
+    assert cold.returncode == 0 and "2 passed" in cold.stdout, cold.stdout + cold.stderr
+    assert "asyncclcache: 0 hits, 2 misses, 2 writes" in cold.stdout and "(2 workers)" in cold.stdout, cold.stdout
+    warm = _session(project, tmp_path, "warm", "-n", "2", "-p", "asyncclcache")
+    assert "asyncclcache: 2 hits, 0 misses, 0 writes" in warm.stdout, warm.stdout

@@ -7,6 +7,7 @@ middle of its write. (Helpers shared by the ``test_store_*`` files: ``_store_hel
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -320,6 +321,102 @@ def test_the_upkeep_folds_the_lifetime_additions(store: Store) -> None:
     assert maintenance.upkeep(store).ran
     assert list((store.root / "stats.d").iterdir()) == []
     assert (read_lifetime(store.root)["hits"], read_lifetime(store.root)["runs"]) == (10, 5)
+
+
+def _additions(store: Store) -> list[Path]:
+    folder = store.root / "stats.d"
+    return sorted(folder.iterdir()) if folder.exists() else []
+
+
+def _age(path: Path, seconds: float) -> None:
+    t = path.stat().st_mtime - seconds
+    os.utime(path, (t, t))
+
+
+def test_processes_that_only_hit_keep_the_lifetime_counters_bounded(store: Store) -> None:
+    # Issue 40: the upkeep runs only after a write, so a directory that is only hit gained a
+    # file a process for ever. A process that saves folds where the last fold is old.
+    from asyncclcache.stats import FOLD_EVERY, Counters, read_lifetime
+
+    for run in range(4):
+        counters = Counters()
+        counters.add("hits", 3)
+        counters.save_lifetime(store.root)
+        assert _additions(store) == [], run  # folded by the process that saved: it was due
+        _age(store.root / "stats.json", 2 * FOLD_EVERY)
+    assert (read_lifetime(store.root)["hits"], read_lifetime(store.root)["runs"]) == (12, 4)
+    # Within FOLD_EVERY of a fold: a file of its own, folded by the next that finds it due.
+    fresh = Counters()
+    fresh.add("hits")
+    (store.root / "stats.json").touch()
+    fresh.save_lifetime(store.root)
+    assert len(_additions(store)) == 1 and read_lifetime(store.root)["hits"] == 13
+    _age(store.root / "stats.json", 2 * FOLD_EVERY)
+    last = Counters()
+    last.add("hits")
+    last.save_lifetime(store.root)
+    assert _additions(store) == [] and read_lifetime(store.root)["hits"] == 14
+
+
+def test_a_fold_cut_short_anywhere_loses_nothing_and_counts_nothing_twice(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncclcache import stats
+
+    for _ in range(3):
+        assert stats.add_lifetime(store.root, {"hits": 2, "runs": 1})
+    real_unlink = os.unlink
+    # Cut after the total was written, before its additions were removed.
+    monkeypatch.setattr(os, "unlink", lambda p, *a, **k: (_ for _ in ()).throw(OSError("killed")))
+    assert stats.fold_lifetime(store.root) == 3
+    assert len(_additions(store)) == 3 and stats.read_lifetime(store.root)["hits"] == 6
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert stats.add_lifetime(store.root, {"hits": 1})
+    assert stats.fold_lifetime(store.root) == 1  # the three, counted, only removed now
+    assert _additions(store) == [] and stats.read_lifetime(store.root)["hits"] == 7
+    # Cut before the total was written: the additions stay, counted once.
+    assert stats.add_lifetime(store.root, {"hits": 5})
+    monkeypatch.setattr(stats, "atomic_write", lambda *a, **k: (_ for _ in ()).throw(OSError("full")))
+    assert stats.fold_lifetime(store.root) == 0
+    assert len(_additions(store)) == 1 and stats.read_lifetime(store.root)["hits"] == 12
+    monkeypatch.undo()
+    assert stats.fold_lifetime(store.root) == 1 and stats.read_lifetime(store.root)["hits"] == 12
+
+
+def test_a_total_of_the_former_format_is_read_and_folded_into(store: Store) -> None:
+    from asyncclcache import stats
+
+    (store.root / "stats.json").write_text('{"hits": 4, "runs": 2}')
+    assert stats.add_lifetime(store.root, {"hits": 1})
+    assert stats.read_lifetime(store.root)["hits"] == 5
+    assert stats.fold_lifetime(store.root) == 1 and stats.read_lifetime(store.root)["runs"] == 2
+
+
+def test_fifos_in_the_directorys_own_files_hang_nothing(store: Store) -> None:
+    # Issue 40: upkeep.json and the counters' files were opened without O_NONBLOCK.
+    from asyncclcache.stats import add_lifetime
+
+    assert add_lifetime(store.root, {"hits": 1})
+    os.mkfifo(store.root / "stats.d" / "planted-1-fifo.json", 0o600)
+    os.mkfifo(store.root / "upkeep.json", 0o600)
+    code = textwrap.dedent("""
+        import sys
+        from asyncclcache import maintenance
+        from asyncclcache.stats import fold_lifetime, read_lifetime
+        from asyncclcache.store import Store
+        store = Store(sys.argv[1], rank_local=False)
+        print(read_lifetime(store.root)["hits"], maintenance.last_upkeep(store, want_size=True).bytes)
+        maintenance.upkeep(store)
+        print(fold_lifetime(store.root), int(read_lifetime(store.root)["hits"]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(store.base)], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "None", "0", "1"], r.stdout
+    os.mkfifo(store.root / "stats.json.fifo", 0o600)
+    os.replace(store.root / "stats.json.fifo", store.root / "stats.json")
+    cli = subprocess.run([sys.executable, "-m", "asyncclcache", "stats", "--dir", str(store.base), "--json"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert cli.returncode == 0 and json.loads(cli.stdout)["hits"] == 0, cli.stdout + cli.stderr
 
 
 def test_a_process_that_finds_the_tree_makes_none_of_it(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:

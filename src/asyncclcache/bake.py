@@ -34,6 +34,7 @@ import queue
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ from typing import Any
 
 from . import _version, platforms
 from .entry import Entry, EntryMeta
+from .fileio import NONBLOCK
 from .keys import baked_key
 from .platforms import pocl
 from .store import Store
@@ -232,7 +234,11 @@ class _Worker:
             return "its source does not match its checksum"
         for path, digest in entry.meta.includes:
             try:
-                with open(path, "rb") as f:
+                # A FIFO in a header's place must not hang the baker (links are followed, as
+                # the compiler follows them).
+                with open(path, "rb", opener=lambda p, flags: os.open(p, flags | NONBLOCK)) as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        return "a header it includes is not a regular file"
                     now = hashlib.sha256(f.read()).hexdigest()
             except OSError:
                 return "a header it includes is gone"
@@ -507,7 +513,7 @@ class _Pool:
 
         pocl_dir = self.folder / f"w{n}"
         pocl_dir.mkdir(exist_ok=True)
-        env = dict(os.environ, **pocl.cache_environ(pocl_dir))
+        env = dict(system.process_environ(), **pocl.cache_environ(pocl_dir))
         with self._lock:
             if self._stopped:
                 raise _Died("stopped")
@@ -708,7 +714,7 @@ class IdleBaker:
                 "asyncclcache.bake:_idle_main", self._where, priority="idle", stopped=True, ready=ready_w,
                 # A subfolder, as a pool's worker has: its worker's other folder ("nowhere")
                 # goes beside it, in ours, not into the temp folder.
-                env=dict(os.environ, **pocl.cache_environ(folder / "w0")),
+                env=dict(system.process_environ(), **pocl.cache_environ(folder / "w0")),
                 stdin=keys_r, stdout=baked_w, stderr=subprocess.DEVNULL,
             )
         except OSError as e:
@@ -810,6 +816,17 @@ class IdleBaker:
         """Kill the helper and its children, whatever they are doing (its publishes are
         atomic), and remove its pocl cache. Never waits on the helper. Idempotent."""
         self._end("closed")
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this process's copies of the parent's pipes (the helper
+        then sees its keys end with the parent's alone), and leave the helper, its folder
+        and the lock, which a thread of the parent may have held at the fork, alone."""
+        self._state = "closed"
+        for fd in (self._fd, self._baked_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._proc = self._fd = self._baked_fd = self._dir = None
 
 
 def _release(proc: subprocess.Popen[bytes] | None, fd: int | None, folder: Path | None) -> None:

@@ -13,6 +13,7 @@ import atexit
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -267,10 +268,14 @@ class Cache:
             self._nworkers, "asyncclcache-writer", self._background_error,
             lambda s: self._counters.add("background_cpu_seconds", s),
         )
-        #: Bakes the entries written here on idle cores (``ASYNCCLCACHE_BAKE=idle``); a forked
-        #: child starts its own.
+        #: Bakes the entries written here on idle cores (``ASYNCCLCACHE_BAKE``). Not in a pool's
+        #: worker (:func:`_pool_worker`): one a core, like a job's ranks, and ended with
+        #: ``os._exit`` or a kill, which would leave a helper's folder behind.
+        old = getattr(self, "_baker", None)
+        if old is not None:
+            old.forget_after_fork()  # the parent's: its pipes closed here, its helper left alone
         self._baker: IdleBaker | None = None
-        if self._bake_idle and self.store.writable:
+        if self._bake_idle and self.store.writable and not _pool_worker():
             from .bake import IdleBaker  # off the import path of a warm start
 
             self._baker = IdleBaker(self.store, self._counters.add, on_baked=self._baked_now)
@@ -670,8 +675,23 @@ def step(*, wait: bool = False) -> Any:
     return default_cache().step(wait=wait)
 
 
+#: Whether this process was forked from one that had imported asyncclcache.
+_forked = False
+
+
+def _pool_worker() -> bool:
+    """Whether this process is a forked child or a ``multiprocessing`` worker (any start
+    method): it starts no idle baker of its own. The parent's, if it has one, is the
+    machine's; what the workers wrote is baked by a later run's hits or ``asyncclcache bake``."""
+    if _forked:
+        return True
+    mp = sys.modules.get("multiprocessing.process")
+    return mp is not None and mp.parent_process() is not None
+
+
 def _after_fork_in_child() -> None:
-    global _default_lock, _process_lock
+    global _default_lock, _process_lock, _forked
+    _forked = True
     _default_lock = threading.Lock()
     _process_lock = threading.Lock()  # _BUILT stays: the parent's builds are in the driver's caches
     _CLOSED.clear()  # the parent's, reported by the parent

@@ -255,13 +255,16 @@ def fanout_dirs(root: Path) -> Iterator[Path]:
 
 
 def read_small(path: Path, limit: int) -> bytes | None:
-    """At most ``limit`` bytes of the file at ``path`` (no link followed, no buffered file
-    object); ``None`` where it cannot be read."""
+    """At most ``limit`` bytes of the regular file at ``path`` (no link followed, no
+    buffered file object; a FIFO, device or socket in its place is not read, and never
+    blocks); ``None`` where it cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         return os.read(fd, limit)
     except OSError:
         return None

@@ -233,7 +233,7 @@ def _platform_settings(platform: str, table: Settings) -> tuple[dict[str, str], 
             kept = _started.get(platform)
         if kept is not None:
             return kept
-    out = table.select(os.environ)
+    out = table.select(system.process_environ())
     doubt = None
     if table.files is not None:
         digests, doubt = table.files()
@@ -260,7 +260,7 @@ def settings_of(devices: Sequence[cl.Device]) -> tuple[dict[str, str], str | Non
     for d in devices:
         platform = platforms.of_devices([d])  # pocl's CUDA device has a record of its own
         if platform is not None and platform.settings is not None and platform.settings.per_device is not None:
-            out.update(platform.settings.per_device(d, os.environ))
+            out.update(platform.settings.per_device(d, system.process_environ()))
     if any(d.type & cl.device_type.CPU for d in devices):
         out["host_cpu"] = host_cpu_features()
     return out, doubt
@@ -473,7 +473,8 @@ class _Made:
     files (includes), so that a repeated build (the same program in a new context: a test
     suite, a solver's next mesh) hashes nothing again. Only where the environment alone
     decides the settings (:attr:`.platform.Settings.from_environment`); the whole memo is
-    dropped when ``os.environ`` changes in any way. A program that includes files has
+    dropped when the process's environment (:func:`.system.process_environ`, what the
+    driver's ``getenv`` reads) changes in any way. A program that includes files has
     them looked up again (stats; contents by :data:`_MEMO`) and its key made again where
     any changed. Bounded; thread-safe."""
 
@@ -483,7 +484,7 @@ class _Made:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._environ: tuple[object, ...] | None = None
+        self._environ: object = None
         self._keys: OrderedDict[tuple[object, ...], tuple[KeyInfo, _Scan]] = OrderedDict()
         self._bytes = 0
         self._env_only: dict[int, bool] = {}  # device pointer -> its settings from_environment
@@ -492,11 +493,10 @@ class _Made:
         self._settings: dict[tuple[int, ...], tuple[dict[str, str], str | None]] = {}
 
     @staticmethod
-    def environ() -> tuple[object, ...]:
-        # os.environ's own encoded dict where there is one (CPython: a tuple of it costs a
-        # microsecond or two; the strings it holds are compared by identity first).
-        data = getattr(os.environ, "_data", None)
-        return tuple(data.items()) if isinstance(data, dict) else tuple(os.environ.items())
+    def environ() -> object:
+        # The environment the driver reads, not os.environ's copy (os.putenv and a C
+        # setenv change only the former): one read of the C array's pointers.
+        return system.environ_stamp()
 
     def env_only(self, devices: Sequence[cl.Device], pointers: tuple[int, ...]) -> bool:
         known = [self._env_only.get(p) for p in pointers]
@@ -523,7 +523,7 @@ class _Made:
         return tuple(out)
 
     def settings(self, devices: Sequence[cl.Device], pointers: tuple[int, ...],
-                 environ: tuple[object, ...]) -> tuple[dict[str, str], str | None]:
+                 environ: object) -> tuple[dict[str, str], str | None]:
         """:func:`settings_of` ``devices``, made again only when the environment changed
         (only for devices whose settings it alone decides: :meth:`env_only`)."""
         with self._lock:
@@ -537,7 +537,7 @@ class _Made:
                         self._settings[pointers] = known
         return dict(known[0]), known[1]
 
-    def _reset_if(self, environ: tuple[object, ...]) -> bool:
+    def _reset_if(self, environ: object) -> bool:
         # Under the lock: a new environment drops every key and setting made in the old one.
         if environ == self._environ:
             return False
@@ -547,7 +547,7 @@ class _Made:
         self._bytes = 0
         return True
 
-    def get(self, fingerprint: tuple[object, ...], environ: tuple[object, ...]) -> tuple[KeyInfo, _Scan] | None:
+    def get(self, fingerprint: tuple[object, ...], environ: object) -> tuple[KeyInfo, _Scan] | None:
         with self._lock:
             if self._reset_if(environ):
                 return None
@@ -556,7 +556,7 @@ class _Made:
                 self._keys.move_to_end(fingerprint)
             return got
 
-    def put(self, fingerprint: tuple[object, ...], environ: tuple[object, ...], info: KeyInfo, scan: _Scan,
+    def put(self, fingerprint: tuple[object, ...], environ: object, info: KeyInfo, scan: _Scan,
             nbytes: int) -> None:
         if environ != self.environ():
             return  # the environment changed while the key was made: it may hold either
@@ -647,7 +647,7 @@ def _deps(
     path = tuple(os.path.join(cwd, d) for d in include_path)
     folder = None if source_dir is None else os.path.realpath(source_dir)
     try:
-        _check_search_options(options, *platforms.extra_options(os.environ))
+        _check_search_options(options, *platforms.extra_options(system.process_environ()))
         return find_include_deps(scan, path, source_dir=folder, source_dir_doubt=source_dir_doubt), None
     except UncertainIncludes as e:
         return (), str(e)

@@ -17,7 +17,10 @@ loads this module by its name. At the start of the session it calls
 :class:`~asyncclcache.errors.SettingWarning`, and the session runs uncached); at its end it
 closes the caches, waiting for pending writes no longer than the exit timeout
 (``ASYNCCLCACHE_EXIT_TIMEOUT``), and prints the summary line. Each process of a session
-(pytest-xdist's workers) installs its own; they share the directory safely.
+(pytest-xdist's workers) installs its own; they share the directory safely. Under xdist
+each worker closes its caches at its session's end and hands its counters to the
+controller, whose line sums every worker's (and says so; a worker that died before
+reporting is named as missing from the sum).
 ``ASYNCCLCACHE_DISABLE`` and ``PYOPENCL_NO_CACHE`` turn it off as they turn ``install()`` off.
 """
 
@@ -26,7 +29,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["pytest_addoption", "pytest_configure", "pytest_terminal_summary", "pytest_unconfigure"]
+import pytest  # a plugin: loaded by pytest alone
+
+__all__ = [
+    "pytest_addoption", "pytest_configure", "pytest_sessionfinish", "pytest_terminal_summary",
+    "pytest_testnodedown", "pytest_unconfigure",
+]
 
 #: The ini options: on, and the cache directory (relative to the rootdir).
 ON_OPTION = "asyncclcache"
@@ -64,20 +72,61 @@ def pytest_configure(config: Any) -> None:
     config.stash[_INSTALLED] = install()
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
-    """Close the caches (bounded) and say what they did, as the exit summary does."""
-    if not config.stash.get(_INSTALLED, False):
-        return
+def _close() -> tuple[Any, list[str]]:
     from .cache import close_all
     from .stats import Stats
-    from .summary import summary_line
 
     total, dirs = Stats(), []
     for directory, stats in close_all():
         total = total + stats
         if directory not in dirs:
             dirs.append(directory)
-    terminalreporter.write_line(summary_line(total, dirs))
+    return total, dirs
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    """In a pytest-xdist worker: close its caches and hand their counters to the controller
+    (the worker prints nothing of its own)."""
+    config = session.config
+    out = getattr(config, "workeroutput", None)
+    if out is None or not config.stash.get(_INSTALLED, False):
+        return
+    total, dirs = _close()
+    out[WORKER_OUTPUT] = {"stats": total.as_dict(), "dirs": dirs}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist's controller: a worker ended; keep what its caches counted."""
+    config = node.config
+    if not config.stash.get(_INSTALLED, False):
+        return
+    reports = config.stash.setdefault(_WORKERS, [])
+    reports.append(getattr(node, "workeroutput", {}).get(WORKER_OUTPUT))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """Close the caches (bounded) and say what they did, as the exit summary does; under
+    pytest-xdist, what every worker's did too."""
+    if not config.stash.get(_INSTALLED, False):
+        return
+    from .stats import Stats
+    from .summary import summary_line
+
+    total, dirs = _close()
+    reports = config.stash.get(_WORKERS, None)
+    if reports is None:
+        terminalreporter.write_line(summary_line(total, dirs))
+        return
+    for report in reports:
+        if report is None:
+            continue
+        total = total + Stats.from_values(
+            {k: float(v) for k, v in report["stats"].items() if k in Stats.__dataclass_fields__})
+        dirs += [d for d in report["dirs"] if d not in dirs]
+    reported = sum(r is not None for r in reports)
+    whose = f"{reported} workers" if reported == len(reports) else f"{reported} of {len(reports)} workers reported"
+    terminalreporter.write_line(f"{summary_line(total, dirs)}  ({whose})")
 
 
 def pytest_unconfigure(config: Any) -> None:
@@ -87,10 +136,8 @@ def pytest_unconfigure(config: Any) -> None:
         uninstall()
 
 
-def _stash_key() -> Any:
-    import pytest
-
-    return pytest.StashKey[bool]()
-
-
-_INSTALLED = _stash_key()
+#: The key of a worker's counters in pytest-xdist's ``workeroutput``.
+WORKER_OUTPUT = "asyncclcache"
+_INSTALLED = pytest.StashKey[bool]()
+#: The controller's: each worker's report (``None``: it ended without one).
+_WORKERS = pytest.StashKey[list[Any]]()

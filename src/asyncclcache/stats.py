@@ -8,8 +8,11 @@ directory, summed over runs and processes, are a small JSON file plus what proce
 added since it was last folded: each save is a new file of its own in ``stats.d/`` (one
 ``open`` that creates it, one ``write``; no lock, no read, no ``fsync``), so a thousand
 ranks that exit together never wait for one another. The directory's upkeep
-(:func:`.maintenance.upkeep`, about once an hour) folds those files into the total under
-a lock. Readers take no lock and sum both.
+(:func:`.maintenance.upkeep`) and a process that saved where the last fold is
+:data:`FOLD_EVERY` old (one ``lstat``; the lock not waited for) fold those files into the
+total: a directory that is only hit keeps no more files than processes saved since. The
+total names what it holds, so a crash anywhere loses nothing and counts nothing twice.
+Readers take no lock and sum both.
 """
 
 from __future__ import annotations
@@ -31,8 +34,17 @@ from .locks import file_lock
 from .shared import STATS_DIR, STATS_FILE, STATS_LOCK
 
 __all__ = [
-    "COUNTERS", "LIFETIME_FIELDS", "Counter", "Counters", "Stats",
-    "add_lifetime", "fold_lifetime", "read_lifetime", "reset_lifetime",
+    "COUNTERS",
+    "FOLD_EVERY",
+    "LIFETIME_FIELDS",
+    "Counter",
+    "Counters",
+    "Stats",
+    "add_lifetime",
+    "fold_due",
+    "fold_lifetime",
+    "read_lifetime",
+    "reset_lifetime",
 ]
 
 logger = logging.getLogger(__name__)
@@ -172,6 +184,8 @@ class Counters:
             with self._lock:
                 self._saved = now
                 self._saved_at = time.monotonic()
+            if fold_due(root):
+                fold_lifetime(root, timeout=0)  # another process folds: nothing waited for
 
 
 #: Every counter: ``runs`` (lifetime only: the processes that saved counters here), then
@@ -189,6 +203,12 @@ LIFETIME_FIELDS: tuple[str, ...] = tuple(c.name for c in COUNTERS if c.lifetime)
 _ADDITION_SUFFIX = ".json"
 #: An addition that does not parse yet (being written) is left this long, then removed.
 _UNREADABLE_AGE = 3600.0
+#: A process that saved its counters folds the additions itself where the total is older
+#: than this (one ``lstat``): a directory that is only hit (every CI run after the first,
+#: every production job) keeps at most what was added since, not a file a process for ever.
+FOLD_EVERY = 600.0
+#: Additions folded at most in one fold (a fold at exit stays short; the next takes the rest).
+MAX_FOLD = 4096
 
 
 def _parse(raw: bytes) -> dict[str, float] | None:
@@ -207,23 +227,47 @@ def _read_file(path: Path) -> dict[str, float] | None:
     return None if raw is None else _parse(raw)
 
 
-def _additions(root: Path) -> list[tuple[Path, dict[str, float] | None]]:
-    """The additions not folded yet, parsed (``None``: not readable, or being written)."""
-    folder = root / STATS_DIR
+def _read_total(root: Path) -> tuple[dict[str, float], frozenset[str]]:
+    """The folded total and the additions it already holds (their files may still be there:
+    a fold that ended between its write and their removal)."""
+    raw = read_small(root / STATS_FILE, 1 << 22)
     try:
-        names = sorted(os.listdir(folder))
+        data = json.loads(raw) if raw else {}
+    except ValueError:
+        data = {}
+    if not isinstance(data, dict):
+        return {}, frozenset()
+    folded = data.get("folded")
+    names = frozenset(n for n in folded if isinstance(n, str)) if isinstance(folded, list) else frozenset()
+    counters = data.get("counters", data)  # before the fold kept names: the counters alone
+    if not isinstance(counters, dict):
+        return {}, names
+    return {k: v for k in LIFETIME_FIELDS
+            if isinstance(v := counters.get(k), (int, float)) and not isinstance(v, bool)}, names
+
+
+def _names(root: Path) -> list[str]:
+    """The names of the additions in ``stats.d/``, sorted."""
+    try:
+        names = os.listdir(root / STATS_DIR)
     except OSError:
         return []
-    return [(folder / n, _read_file(folder / n)) for n in names
-            if n.endswith(_ADDITION_SUFFIX) and not n.startswith(".")]
+    return sorted(n for n in names if n.endswith(_ADDITION_SUFFIX) and not n.startswith("."))
+
+
+def _additions(root: Path, names: list[str]) -> list[tuple[Path, dict[str, float] | None]]:
+    """The additions ``names`` of ``stats.d/``, parsed (``None``: not readable, or being written)."""
+    folder = root / STATS_DIR
+    return [(folder / n, _read_file(folder / n)) for n in names]
 
 
 def read_lifetime(root: str | os.PathLike[str]) -> dict[str, float]:
     """The lifetime counters of the cache at ``root`` (zeros if none yet): the folded
-    total plus the additions not folded yet. Takes no lock."""
+    total plus the additions it does not hold yet. Takes no lock."""
     root = Path(root)
     out: dict[str, float] = dict.fromkeys(LIFETIME_FIELDS, 0)
-    for values in [_read_file(root / STATS_FILE), *(v for _, v in _additions(root))]:
+    total, folded = _read_total(root)
+    for values in [total, *(v for _, v in _additions(root, [n for n in _names(root) if n not in folded]))]:
         for k, v in (values or {}).items():
             out[k] += v
     return out
@@ -236,7 +280,7 @@ def add_lifetime(root: str | os.PathLike[str], deltas: Mapping[str, float]) -> b
     if not values:
         return True
     folder = Path(root) / STATS_DIR
-    name = f"{HOST}-{os.getpid()}-{secrets.token_hex(4)}{_ADDITION_SUFFIX}"
+    name = f"{HOST}-{os.getpid()}-{secrets.token_hex(8)}{_ADDITION_SUFFIX}"
     data = json.dumps(values, sort_keys=True).encode()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
     try:
@@ -258,23 +302,37 @@ def add_lifetime(root: str | os.PathLike[str], deltas: Mapping[str, float]) -> b
     return True
 
 
+def fold_due(root: str | os.PathLike[str]) -> bool:
+    """Whether the total at ``root`` was last folded :data:`FOLD_EVERY` ago or more (by
+    this host's clock; a stamp far in its future counts as due), or never: one ``lstat``."""
+    try:
+        age = time.time() - os.lstat(Path(root) / STATS_FILE).st_mtime
+    except OSError:
+        return True
+    return not (-FOLD_EVERY < age < FOLD_EVERY)
+
+
 def fold_lifetime(root: str | os.PathLike[str], *, timeout: float = 2.0) -> int:
-    """Fold the additions in ``stats.d/`` into the total (under the stats lock; bounded);
-    returns how many. By the directory's upkeep, once in a while. An addition that does not
+    """Fold the additions in ``stats.d/`` into the total (under the stats lock, waited for
+    at most ``timeout``); returns how many. By the directory's upkeep, and by a process that
+    saved its counters where the last fold is :func:`fold_due`. Safe against a crash at any
+    point: the total names the additions it holds, and only then are they removed (a reader
+    skips those still there), so none is lost or counted twice. An addition that does not
     parse is left until it is an hour old (its writer may be writing it), then removed."""
     root = Path(root)
     import filelock  # lazily: off the import path of a warm start
 
-    additions = _additions(root)
-    if not additions:
-        return 0
-    now = time.time()
-    folded = []
     try:
         with file_lock(root / STATS_LOCK, timeout):
-            current = _read_file(root / STATS_FILE) or {}
-            total = dict.fromkeys(LIFETIME_FIELDS, 0.0) | current
-            for path, values in additions:
+            total, held = _read_total(root)
+            names = _names(root)
+            if not names and not held:
+                return 0
+            now = time.time()
+            total = dict.fromkeys(LIFETIME_FIELDS, 0.0) | total
+            done = [root / STATS_DIR / n for n in names if n in held]  # counted by an earlier fold
+            folded = []
+            for path, values in _additions(root, [n for n in names if n not in held][:MAX_FOLD]):
                 if values is None:
                     with contextlib.suppress(OSError):
                         if now - os.lstat(path).st_mtime > _UNREADABLE_AGE:
@@ -283,11 +341,10 @@ def fold_lifetime(root: str | os.PathLike[str], *, timeout: float = 2.0) -> int:
                 for k, v in values.items():
                     total[k] += v
                 folded.append(path)
-            if folded:
-                _write(root, total)
-            # Only once the total holds them (a crash between the two counts them twice,
-            # never loses them).
-            for path in folded:
+            keep = sorted(held.intersection(names))
+            if folded or len(keep) != len(held):
+                _write(root, total, [*keep, *(p.name for p in folded)])
+            for path in [*done, *folded]:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
     except (filelock.Timeout, OSError) as e:
@@ -300,12 +357,14 @@ def reset_lifetime(root: str | os.PathLike[str]) -> None:
     """Zero the counters at ``root`` (the additions not folded yet too)."""
     root = Path(root)
     with file_lock(root / STATS_LOCK, 10):
-        _write(root, dict.fromkeys(LIFETIME_FIELDS, 0))
-        for path, _ in _additions(root):
+        names = _names(root)
+        _write(root, dict.fromkeys(LIFETIME_FIELDS, 0), names)
+        for path in (root / STATS_DIR / n for n in names):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
 
-def _write(root: Path, values: Mapping[str, float]) -> None:
-    data = json.dumps({k: values.get(k, 0) for k in LIFETIME_FIELDS}, sort_keys=True).encode()
+def _write(root: Path, values: Mapping[str, float], folded: list[str]) -> None:
+    data = json.dumps({"counters": {k: values.get(k, 0) for k in LIFETIME_FIELDS}, "folded": folded},
+                      sort_keys=True).encode()
     atomic_write(root, root / STATS_FILE, data)

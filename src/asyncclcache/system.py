@@ -10,6 +10,9 @@ Each sits behind a probe of what is there (never ``sys.platform``) and has a fal
 - the shared libraries loaded here: ``/proc/self/maps``, else ``None`` (:func:`loaded_library`,
   :func:`mapped_files`);
 - the host CPU's model and features: ``/proc/cpuinfo``, else ``None`` (:func:`cpu_description`);
+- the environment the C library's ``getenv`` reads, which ``os.putenv`` and a C ``setenv``
+  change and ``os.environ`` does not see: ``environ`` (or macOS's ``_NSGetEnviron``), else
+  ``os.environ`` (:func:`process_environ`);
 - starting a helper process (:func:`start_helper`), and the private temporary folders
   of helpers, removed by their owner or, once the owner is gone, by the next one
   (:func:`private_folder`).
@@ -46,12 +49,14 @@ __all__ = [
     "cpu_sample",
     "death_signal_available",
     "die_with_parent",
+    "environ_stamp",
     "kill_helper",
     "loaded_library",
     "lower_priority",
     "mapped_files",
     "pid_alive",
     "private_folder",
+    "process_environ",
     "start_helper",
 ]
 
@@ -240,6 +245,120 @@ def cpu_description() -> bytes | None:
 
 # }}}
 
+# {{{ the environment the driver reads
+
+
+class _CEnviron:
+    """The C library's ``environ`` array, read in place: what a driver's ``getenv`` sees.
+    ``os.environ`` is a copy made at start-up that ``os.putenv``, a C library's ``setenv``
+    (embedded interpreters, wrapped C codes) and ``unsetenv`` leave as it was."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        self._lock = threading.Lock()
+        self._cell: Any = None  # a ctypes view of the variable ``environ`` (char **)
+        self._count = 0  # entries of the array at the last full read
+        self._stamp = b""
+        self._decoded: dict[str, str] = {}
+        try:
+            libc = ctypes.CDLL(None)
+        except (OSError, TypeError):
+            return
+        ns = getattr(libc, "_NSGetEnviron", None)  # macOS: a library's way to the variable
+        if ns is not None:
+            ns.restype = ctypes.POINTER(ctypes.c_void_p)
+            with contextlib.suppress(ValueError, OSError):
+                self._cell = ns().contents
+                return
+        with contextlib.suppress(ValueError, OSError):
+            self._cell = ctypes.c_void_p.in_dll(libc, "environ")
+
+    @property
+    def available(self) -> bool:
+        return self._cell is not None
+
+    def stamp(self) -> bytes:
+        """The array's address and its pointers, one read (no string decoded): equal
+        stamps, the same environment (``setenv`` and ``putenv`` put a new pointer in a
+        slot; ``unsetenv`` moves the end). Under the GIL, as Python's own ``putenv``."""
+        ctypes = self._ctypes
+        base = self._cell.value
+        if not base:
+            return b"0"
+        with self._lock:
+            n = self._count
+            if n and base == int.from_bytes(self._stamp[:8], sys.byteorder):
+                # The array read last time, one slot longer: its end (NULL) is in the stamp.
+                size = (n + 1) * ctypes.sizeof(ctypes.c_void_p)
+                now = base.to_bytes(8, sys.byteorder) + ctypes.string_at(base, size)
+                if now == self._stamp:
+                    return now
+        return self._read(base)[0]
+
+    def _read(self, base: int) -> tuple[bytes, dict[str, str]]:
+        # A full read: every pointer to the NULL, every string decoded as os.environ does.
+        ctypes = self._ctypes
+        array = ctypes.cast(base, ctypes.POINTER(ctypes.c_char_p))
+        items: list[bytes] = []
+        while (item := array[len(items)]) is not None:
+            items.append(item)
+        size = ctypes.sizeof(ctypes.c_void_p)
+        stamp = base.to_bytes(8, sys.byteorder) + ctypes.string_at(base, (len(items) + 1) * size)
+        decoded: dict[str, str] = {}
+        for item in items:
+            name, eq, value = item.partition(b"=")
+            if eq and name:
+                decoded.setdefault(os.fsdecode(name), os.fsdecode(value))  # getenv: the first
+        with self._lock:
+            self._count, self._stamp, self._decoded = len(items), stamp, decoded
+        return stamp, decoded
+
+    def environ(self) -> dict[str, str]:
+        stamp = self.stamp()
+        with self._lock:
+            if stamp == self._stamp:
+                return self._decoded
+        base = self._cell.value
+        return self._read(base)[1] if base else {}
+
+
+_c_environ: _CEnviron | None = None
+
+
+def _environ_reader() -> _CEnviron | None:
+    global _c_environ
+    if _c_environ is None:
+        reader = _CEnviron()
+        _c_environ = reader
+        if not reader.available:
+            logger.debug("asyncclcache: the C library's environ cannot be read here; os.environ serves")
+    return _c_environ if _c_environ.available else None
+
+
+def environ_stamp() -> object:
+    """A value that changes whenever the process's environment changes (one read of the
+    C library's array of pointers where it can be read, else a copy of ``os.environ``'s
+    items): cheap enough for every build. Thread-safe."""
+    reader = _environ_reader()
+    if reader is None:
+        data = getattr(os.environ, "_data", None)
+        return tuple(data.items()) if isinstance(data, dict) else tuple(os.environ.items())
+    return reader.stamp()
+
+
+def process_environ() -> Mapping[str, str]:
+    """The process's environment as the C library's ``getenv`` sees it, which is what a
+    driver reads: ``os.environ`` plus what ``os.putenv`` and a C ``setenv`` changed since
+    start-up. Read again only when :func:`environ_stamp` changed; do not modify it.
+    Falls back to ``os.environ`` where the C array cannot be read. Thread-safe."""
+    reader = _environ_reader()
+    return os.environ if reader is None else reader.environ()
+
+
+# }}}
+
 # {{{ helper processes
 
 
@@ -285,7 +404,7 @@ def start_helper(
     itself, so that no SIGSTOP can come before its death is set. A ``stopped`` helper
     that can only watch for its parent's death exits instead of stopping.
     """
-    base = os.environ if env is None else env
+    base = process_environ() if env is None else env
     child_env = {k: v for k, v in base.items() if not k.startswith("ASYNCCLCACHE_")}
     if _not_here():
         child_env[NOT_HERE_ENV] = "1"

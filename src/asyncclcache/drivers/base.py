@@ -110,8 +110,11 @@ class Job:
     def caller_environ() -> dict[str, str]:
         """A copy of the environment variables that a driver reads at every build (pocl's:
         :func:`.platforms.per_build`), which a rebuild elsewhere must see as the caller did.
-        Cheap: one pass over ``os.environ``."""
-        return platforms.per_build(os.environ)
+        As the driver sees them (:func:`.system.process_environ`: ``os.putenv`` included).
+        Cheap: one pass over the environment."""
+        from .. import system
+
+        return platforms.per_build(system.process_environ())
 
 
 class PerJob(Generic[T]):

@@ -104,7 +104,9 @@ def locate(
     """``(the multi-file shader cache directory, "")``, or ``(None, why not)``, for Mesa
     ``release`` (:func:`mesa_release`; ``None``: not known, so only an explicit
     ``MESA_DISK_CACHE_MULTI_FILE`` tells the layout)."""
-    e = os.environ if env is None else env
+    from .. import system  # what Mesa's getenv reads: os.putenv included
+
+    e = system.process_environ() if env is None else env
     if os.geteuid() != os.getuid():
         return None, "Mesa keeps no shader cache when the effective user is not the real one"
     name = "MESA_SHADER_CACHE_DISABLE" if "MESA_SHADER_CACHE_DISABLE" in e else "MESA_GLSL_CACHE_DISABLE"

@@ -47,7 +47,9 @@ _ON = ("", "0", "2", "true", "yes")
 
 def locate(env: Mapping[str, str] | None = None) -> tuple[Path | None, str]:
     """``(the compute cache directory, "")``, or ``(None, why it is off or unknown)``."""
-    e = os.environ if env is None else env
+    from .. import system  # what the driver's getenv reads: os.putenv included
+
+    e = system.process_environ() if env is None else env
     off = e.get("CUDA_CACHE_DISABLE")
     if off == "1":
         return None, "NVIDIA's compute cache is off (CUDA_CACHE_DISABLE=1)"

@@ -76,7 +76,9 @@ NAME = "Portable Computing Language"
 
 
 def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if env is None else env
+    from .. import system  # what pocl's getenv reads: os.putenv included
+
+    return system.process_environ() if env is None else env
 
 
 def kernel_cache_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -185,7 +187,7 @@ def _locate(devices: Sequence[cl.Device]) -> tuple[Path | None, str]:
         return None, "pocl's kernel cache is stored only for its CPU devices"
     root = kernel_cache_dir()
     if root is None:
-        flag = os.environ.get("POCL_KERNEL_CACHE")
+        flag = _env(None).get("POCL_KERNEL_CACHE")
         return None, (f"pocl's kernel cache is off (POCL_KERNEL_CACHE={flag!r}: pocl reads only "
                       "a value starting with 1 as on)")
     return root, ""
