@@ -20,7 +20,7 @@ from typing import Any
 
 import pyopencl as cl
 
-from . import _pyopencl, platforms
+from . import _pyopencl, buildlock, platforms
 from ._pyopencl import PYOPENCL_BUILD
 from .cache import Cache, default_cache
 from .drivers import Build, Job
@@ -55,6 +55,22 @@ def cached_build(
     """
     if _bypass_reason(prg, cache) is not None:
         return PYOPENCL_BUILD(prg, options, devices, cache_dir)
+    source = _pyopencl.unbuilt_source(prg)
+    text = source.encode("utf-8", "surrogateescape") if isinstance(source, str) else bytes(source or b"")
+    devs = list(devices) if devices is not None else list(_pyopencl.context_of(prg).devices)
+    # pocl before 6.0 fails a build of a program that another process builds in the same
+    # kernel cache (pocl#1480): one at a time (buildlock.py); the next finds pocl's files.
+    with buildlock.one_at_a_time(devs, text, options):
+        return _cached_build(prg, cache, options, devices, cache_dir)
+
+
+def _cached_build(
+    prg: cl.Program,
+    cache: Cache,
+    options: str | Sequence[str] | None,
+    devices: Sequence[cl.Device] | None,
+    cache_dir: str | None,
+) -> cl.Program:
     t0 = time.perf_counter()
     build = _build_of(prg, cache, options, devices)
     if build is None:  # not cached (counted)
