@@ -14,8 +14,9 @@ export ASYNCCLCACHE_STATS=1                         # one line at exit (with mpi
 # export ASYNCCLCACHE_NODE_DIR=/local/scratch/$USER
 # export ASYNCCLCACHE_NODE_MAX_SIZE=2G
 
-# pocl's own kernel cache on node-local disk, one per rank (pocl before 6.0 must not share one).
-srun bash -c 'export POCL_CACHE_DIR=${TMPDIR:-/tmp}/pocl-$SLURM_JOB_ID-$SLURM_PROCID
+# pocl's own kernel cache on node-local disk, shared by the node's ranks (asyncclcache builds a
+# program one at a time in it: pocl before 6.0 needs that, pocl#1480).
+srun bash -c 'export POCL_CACHE_DIR=${TMPDIR:-/tmp}/pocl-$SLURM_JOB_ID
               exec python driver.py input.yaml'
 
 # Binaries of this job's new entries, made off the job's path, inside the allocation (an

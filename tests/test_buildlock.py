@@ -109,11 +109,12 @@ def test_a_stopped_holder_is_waited_for_a_bounded_time(cache_dir: Path, tmp_path
 
 def test_a_pocl_cache_that_is_not_ours_is_left_alone(cache_dir: Path, tmp_path: Path) -> None:
     pocl = tmp_path / "pocl"
-    (pocl / buildlock.FOLDER).mkdir(parents=True)
-    (pocl / buildlock.FOLDER).chmod(0o777)  # writable by others: no lock file of ours in it
+    folder = buildlock.lock_folder(pocl)
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)  # writable by others: no lock file of ours in it
     out = run_child(BUILD, str(cache_dir), "600", SOURCE_A, SOURCE_B, pocl_cache=pocl)
     assert out.stdout.split()[:2] == ["B", "A"]
-    assert list((pocl / buildlock.FOLDER).iterdir()) == []
+    assert list(folder.iterdir()) == []
 
 
 # A job's ranks, all sharing one POCL_CACHE_DIR (pocl's default is shared by every rank of

@@ -7,8 +7,9 @@ another builds the same one in the same ``POCL_CACHE_DIR`` fails ``clBuildProgra
 of a user on a node: every MPI rank, every pytest-xdist worker.
 
 So every pocl build that goes through asyncclcache first takes an exclusive ``flock`` on
-one of :data:`STRIPES` lock files in that directory (``.asyncclcache-builds/XXX.lock``,
-chosen by a digest of the source and options), and holds it for the build alone: no user
+one of :data:`STRIPES` lock files beside that directory (``<it>.asyncclcache-builds/XXX.lock``:
+pocl's own folder holds pocl's files only; chosen by a digest of the source and options),
+and holds it for the build alone: no user
 code runs under it, so a rank that waits can never wait on one that sits in an MPI
 collective. The ranks of a node then build a program one after the other, and all but the
 first find pocl's ``program.bc``: pocl's front end runs once a node. Processes with pocl
@@ -42,12 +43,12 @@ from .platforms import pocl
 if TYPE_CHECKING:
     import pyopencl as cl
 
-__all__ = ["FOLDER", "STRIPES", "WAIT", "lock_path", "one_at_a_time"]
+__all__ = ["FOLDER_SUFFIX", "STRIPES", "WAIT", "lock_folder", "lock_path", "one_at_a_time"]
 
 logger = logging.getLogger(__name__)
 
-#: The folder of the lock files, in pocl's kernel cache directory.
-FOLDER = ".asyncclcache-builds"
+#: The folder of the lock files: pocl's kernel cache directory's name and this, beside it.
+FOLDER_SUFFIX = ".asyncclcache-builds"
 #: Lock files at most: programs whose digests share the first three hex digits are built
 #: one at a time too (a wait, never a wrong result).
 STRIPES = 4096
@@ -72,7 +73,7 @@ def _folder(pocl_dir: Path) -> Path | None:
     with _lock:
         if pocl_dir in _folders:
             return _folders[pocl_dir]
-    folder = pocl_dir / FOLDER
+    folder = lock_folder(pocl_dir)
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(folder, 0o700)
@@ -107,11 +108,16 @@ def _take(fd: int, deadline: float) -> bool:
         pause = min(pause * 2, 0.05)
 
 
+def lock_folder(pocl_dir: Path) -> Path:
+    """The folder of the lock files of pocl's kernel cache directory ``pocl_dir``."""
+    return pocl_dir.with_name(pocl_dir.name + FOLDER_SUFFIX)
+
+
 def lock_path(pocl_dir: Path, source: bytes, options: object) -> Path:
     """The lock file of ``source`` built with ``options`` (as ``build()`` was given them)
-    in pocl's kernel cache directory ``pocl_dir``."""
+    for pocl's kernel cache directory ``pocl_dir``."""
     stripe = hashlib.sha256(source + b"\0" + repr(options).encode()).hexdigest()[:3]
-    return pocl_dir / FOLDER / f"{stripe}.lock"
+    return lock_folder(pocl_dir) / f"{stripe}.lock"
 
 
 @contextlib.contextmanager
