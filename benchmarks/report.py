@@ -497,6 +497,11 @@ def render(R: dict[str, Any], plots: list[str]) -> str:
 
         md += ["## Ranks on several nodes, one shared directory", "", nodes.__doc__.split("\n\n", 1)[1].strip(),
                "", nodes.table_md(R["nodes"]), ""]
+    if R.get("sharedpocl"):
+        import sharedpocl
+
+        md += ["## Ranks sharing one pocl cache", "", sharedpocl.__doc__.split("\n\n", 1)[1].strip(), "",
+               sharedpocl.table_md(R["sharedpocl"]), ""]
     if R.get("suite"):
         import suite
 

@@ -46,7 +46,7 @@ import report  # noqa: E402
 VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-thread"]
 QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked"]
 RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
-SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "suite"]
+SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpocl", "suite"]
 
 
 class Progress:
@@ -702,6 +702,13 @@ def main(argv: list[str] | None = None) -> int:
             R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
                                              lambda res: save("nodes", res), reps=min(reps, 3),
                                              per_node=args.ranks_per_node, fill=args.fill)
+        if "sharedpocl" in sections:
+            log.section("sharedpocl")
+            import sharedpocl
+
+            use(["nocache", "acc"])
+            R["sharedpocl"] = sharedpocl.measure_sharedpocl(runner, reps, log, lambda res: save("sharedpocl", res),
+                                                            quick=args.quick)
         if "suite" in sections:
             log.section("suite")
             import suite

@@ -228,3 +228,26 @@ def test_help_lists_the_options() -> None:
     assert r.returncode == 0
     for opt in ("--quick", "--out", "--only", "--ranks"):
         assert opt in r.stdout
+
+
+def test_sharedpocl_jobs_build_in_one_pocl_cache_and_report_their_failures(tmp_path: Path) -> None:
+    # Issue 41's section, on 2 ranks and 2 small programs (its defaults are 16 and 24).
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run as bench_run
+        import sharedpocl
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    runner = bench_run.Runner(tmp_path / "work", logs, sys.executable)
+    jobs = {v: sharedpocl._job(runner, v, 2, 2, 4, shared=v != "nocache-own")
+            for v in ("nocache-own", "nocache-shared", "acc-shared", "acc")}
+    assert all(j["failures"] == [] and j["slowest_s"] and j["cpu_s"] > 0 for j in jobs.values()), jobs
+    pocl_dirs = sorted(p.name for p in (tmp_path / "work").glob("*-node/*") if p.name.startswith("pocl"))
+    assert "pocl-rank0" in pocl_dirs and "pocl.asyncclcache-builds" in pocl_dirs  # own caches; the lock's folder
+    res = {"failures": {"ranks": 2, "programs": 2, "runs": [jobs["acc"]]},
+           "heavy": {"ranks": 2, "programs": 2, "statements": 4, "reps": [jobs]}}
+    md = sharedpocl.table_md(res)
+    assert "| acc: asyncclcache installed, one pocl cache for every rank | 1 | 0 | 0 |" in md, md
+    assert "| nocache-own: plain pyopencl, each rank its own pocl cache (the advice before) | 1.000 |" in md, md
