@@ -282,7 +282,8 @@ class _CEnviron:
     def stamp(self) -> bytes:
         """The array's address and its pointers, one read (no string decoded): equal
         stamps, the same environment (``setenv`` and ``putenv`` put a new pointer in a
-        slot; ``unsetenv`` moves the end). Under the GIL, as Python's own ``putenv``."""
+        slot; ``unsetenv`` moves the end). Under the GIL, as Python's own ``putenv``. Not
+        seen: a C program that writes into a string it gave ``putenv`` (no call at all)."""
         ctypes = self._ctypes
         base = self._cell.value
         if not base:
@@ -325,6 +326,15 @@ class _CEnviron:
 
 
 _c_environ: _CEnviron | None = None
+
+
+def _environ_lock_in_child() -> None:
+    if _c_environ is not None:  # held by another thread at the fork: the child's would never open
+        _c_environ._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_environ_lock_in_child)
 
 
 def _environ_reader() -> _CEnviron | None:
