@@ -167,7 +167,8 @@ def test_every_module_imports_alone(module):
 #: Names on disk, and the one module that spells each (the others ask it).
 DISK_NAMES = {"stats.json": "shared", "stats.lock": "shared", "prune.lock": "shared", ".acl": "shared",
               "rank-": "shared", "stats.d": "shared", "upkeep.json": "shared", "baked.mark": "shared",
-              ".lock": "locks", ".tmp-": "fileio", ".copy": "nodecopies"}
+              ".lock": "locks", ".tmp-": "fileio", ".copy": "nodecopies",
+              ".asyncclcache-builds": "buildlock"}
 
 
 def _string_constants(tree: ast.AST) -> list[tuple[int, str]]:

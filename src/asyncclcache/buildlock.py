@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, insecure
+from .locks import LOCK_SUFFIX
 from .platforms import pocl
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def lock_path(pocl_dir: Path, source: bytes, options: object) -> Path:
     """The lock file of ``source`` built with ``options`` (as ``build()`` was given them)
     for pocl's kernel cache directory ``pocl_dir``."""
     stripe = hashlib.sha256(source + b"\0" + repr(options).encode()).hexdigest()[:3]
-    return lock_folder(pocl_dir) / f"{stripe}.lock"
+    return lock_folder(pocl_dir) / f"{stripe}{LOCK_SUFFIX}"
 
 
 @contextlib.contextmanager
