@@ -103,21 +103,61 @@ def test_ranks_share_one_entry_and_each_node_reads_it_once(rank, tmp_path, monke
     assert stores[0][0].node.root != stores[2][0].node.root
 
 
-def test_a_replaced_or_removed_shared_entry_is_never_served_from_an_old_copy(rank) -> None:
+def _age_records(store: Store) -> None:
+    """What the node saw of the shared entries, SEEN_FOR ago: its next lookups ask again."""
+    from asyncclcache.nodecopies import SEEN_FOR, SEEN_SUFFIX
+
+    for p in store.node.root.rglob(f"*{SEEN_SUFFIX}"):
+        os.utime(p, (time.time() - SEEN_FOR - 1,) * 2)
+
+
+def test_a_replaced_or_removed_shared_entry_is_served_from_an_old_copy_within_the_window_alone(rank) -> None:
+    # Issue 41: a node asks the shared directory about an entry once a window, not each rank
+    # each lookup; within it the node's copy of the same key (the same program) serves.
     key = key_of("refreshed")
     a0, _ = rank(0, "a")
     b0, _ = rank(1, "b")
     a0.publish(make_entry(key, b"first"))
+    first = a0.stamp(key)
     a1, c1 = rank(2, "a")
     assert a1.load(key, IDENT).binaries == (b"first",)
     assert c1 == {"node_reads": 1}
     b0.publish(make_entry(key, b"second, with more variants"))  # another node's refresh
+    entry, stamp = a1.lookup(key, IDENT)
+    # The copy's own file's stamp: a write that follows sees the entry written since.
+    assert entry.binaries == (b"first",) and stamp == first != a1.stamp(key)
+    _age_records(a1)
     assert a1.load(key, IDENT).binaries == (b"second, with more variants",)
-    assert c1 == {"node_reads": 1, "shared_reads": 1}
+    assert c1 == {"node_reads": 2, "shared_reads": 1}
     copies = list(a1.node.root.rglob(f"*{COPY_SUFFIX}"))
     assert len(copies) == 1, copies  # the old copy went with the new one
     b0.remove(key)
-    assert a1.load(key, IDENT) is None  # the copy of a removed entry is not a hit
+    _age_records(a1)
+    assert a1.load(key, IDENT) is None  # the copy of a removed entry is not a hit after it
+    # A removal here (a refused entry) is looked at again at once by the node's next lookup.
+    a0.publish(make_entry(key, b"third"))
+    a2, _ = rank(3, "a")
+    assert a2.load(key, IDENT).binaries == (b"third",)
+    a2.remove(key)
+    assert a2.load(key, IDENT) is None
+
+
+def test_a_node_asks_the_shared_directory_about_an_entry_once_a_window(rank, monkeypatch) -> None:
+    key = key_of("asked once")
+    w, _ = rank(0, "w")
+    w.publish(make_entry(key, b"payload"))
+    shared = str(w.path_for(key))
+    asked: list[str] = []
+    real = os.lstat
+    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: (asked.append(os.fspath(p)), real(p, *a, **k))[1])
+    for r in range(1, 6):
+        s, c = rank(r, "a")
+        assert s.load(key, IDENT).binaries == (b"payload",)
+    assert asked.count(shared) == 1  # the node's first lookup; the others took what it saw
+    # A record that does not parse, or is not the user's own file: asked again, never trusted.
+    (record,) = s.node.root.rglob("*.seen")
+    record.write_bytes(b"1 2 x 4")
+    assert s.load(key, IDENT).binaries == (b"payload",) and asked.count(shared) == 2
 
 
 def test_ranks_reading_a_copy_mark_the_shared_entry_used_about_once_an_hour_a_node(rank) -> None:
@@ -292,7 +332,7 @@ def test_a_full_node_dir_warns_once_and_the_shared_copy_serves(rank, tmpfs, monk
     assert all(e is not None for e in got) and len(record) == 1
     assert c1 == {"shared_reads": 3}
     # Nothing half-written is left to be read as a copy.
-    assert not [p for p in mnt.rglob("*") if p.is_file() and p.suffix not in (COPY_SUFFIX, ".lock")]
+    assert not [p for p in mnt.rglob("*") if p.is_file() and p.suffix not in (COPY_SUFFIX, ".lock", ".seen")]
 
 
 def test_a_read_only_node_dir_warns_once(rank, tmpfs, monkeypatch) -> None:

@@ -134,9 +134,14 @@ class Claim:
         #: The store's stamp of the entry file last published under this claim (``None``:
         #: none); written by the store, read by the holder.
         self.written: tuple[int, ...] | None = None
+        #: A claim released with this one (the node's, taken first: :meth:`.store.Store.claim`).
+        self.also: Claim | None = None
 
     def release(self) -> None:
         """Remove the lock file (while still holding it, so none piles up) and unlock."""
+        also, self.also = self.also, None
+        if also is not None:
+            also.release()
         try:
             fd = self._fds.pop()
         except IndexError:

@@ -85,6 +85,7 @@ def orphans(store: Tree, *, remove_locks: bool = False) -> tuple[list[Path], lis
     temps: list[Path] = []
     locks: list[Path] = []
     now = time.time()
+    expired = getattr(store, "expired", None)  # a node's records of what it saw, once stale
     for p, name in store.files():
         if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
             host, pid = temp_writer(name)
@@ -102,6 +103,8 @@ def orphans(store: Tree, *, remove_locks: bool = False) -> tuple[list[Path], lis
                 temps.append(p)
         elif name.endswith(LOCK_SUFFIX) and unheld(p, remove=remove_locks):
             locks.append(p)
+        elif expired is not None and expired(p, name):
+            temps.append(p)
     return temps, locks
 
 

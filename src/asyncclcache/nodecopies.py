@@ -8,12 +8,20 @@ Layout, in node-local storage (``ASYNCCLCACHE_NODE_DIR``, else ``$TMPDIR``, else
         prune.lock                          held by the one process that prunes the node
         <digest of a shared root>/
             <key[:2]>/<key>-<stamp>.copy    the shared entry whose file had <stamp>
+            <key[:2]>/<key>.seen            <stamp>, as a process of the node last saw it
             <key[:2]>/<key>.lock            held by the rank that copies it now
+            <key[:2]>/<key>-write.lock      held by the rank of the node that writes it
 
-A lookup ``lstat``\\ s the shared entry (a metadata call, no open) and reads the copy
-named by that file's stamp (device, inode, size, modification time): a shared entry that
-was replaced (a refresh) or removed is never served from an old copy, and no clock is
-compared. Without a copy, the rank that takes the key's claim (an ``flock``, taken without
+A lookup reads the copy named by the shared entry's stamp (device, inode, size,
+modification time). The node asks the shared directory for that stamp once a
+:data:`SEEN_FOR` window, not each rank at each lookup: a process that ``lstat``\\ s the
+shared entry (a metadata call, no open) leaves what it saw in ``<key>.seen``, and the
+node's processes take it from there while it is younger than the window (this host's
+clock against this host's file). So a replaced entry (a refresh: the same key, the same
+program, with more variants) or a removed one may still be served from the node's copy
+within the window, never after it; a copy is always of its key's program (it is checked as
+an entry is). Thousands of ranks then make one metadata request a node and entry a window,
+not one each. Without a copy, the rank that takes the key's claim (an ``flock``, taken without
 waiting) reads the shared entry, checks it as :class:`~.store.Store` does, and leaves the
 copy; a rank that finds the claim held waits for that copy no longer than its own reads of
 the shared directory take (:data:`WAIT_BOUNDS`), then reads the shared entry itself: a
@@ -85,6 +93,13 @@ MAX_SERVED = 100_000
 COPY_SUFFIX = ".copy"
 #: Hex digits of a shared directory's digest, its copies' folder name.
 ROOT_DIGITS = 16
+#: The name of what a process of the node last saw of a shared entry (its stamp), and for
+#: how long (seconds) the node's processes take it from there instead of asking the shared
+#: directory; older records are swept at exit.
+SEEN_SUFFIX = ".seen"
+SEEN_FOR = 60.0
+#: Between a key and the lock suffix: the node's claim to write the key (:meth:`NodeCopies.write_claim`).
+WRITE_CLAIM = "-write"
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,17 @@ class NodeStorage:
         for r in self.roots():
             yield from listed(r, COPY_SUFFIX)
 
+    @staticmethod
+    def expired(path: Path, name: str) -> bool:
+        """Whether the file ``name`` at ``path`` is a record of what the node saw that no
+        process takes any more (older than :data:`SEEN_FOR`): the sweep removes it."""
+        if not name.endswith(SEEN_SUFFIX):
+            return False
+        try:
+            return time.time() - os.lstat(path).st_mtime >= SEEN_FOR
+        except OSError:
+            return False
+
 
 def _stamp_name(stamp: Stamp) -> str:
     return hashlib.sha256(repr(tuple(stamp)).encode()).hexdigest()[:16]
@@ -208,7 +234,9 @@ class NodeCopies:
 
     def read(self, key: str) -> ReadResult:
         """:meth:`.shared.SharedDir.read` of ``key``, from this node's copy of the shared
-        file as it is now where there is one (one ``lstat`` of the shared file, no open);
+        file as it is now where there is one: as a process of the node saw it within
+        :data:`SEEN_FOR` (nothing asked of the shared directory; the result's ``stamp`` then
+        stands for its ``stat``), else after one ``lstat`` of the shared file (no open);
         else the shared file, copied for the node's other ranks by the one that holds the
         node's claim (the others wait for that copy no longer than a read of their own
         takes, :meth:`wait_for`). Once this folder failed: the shared file, at once."""
@@ -216,6 +244,11 @@ class NodeCopies:
         if not self.enabled:  # nothing to copy to, nor to wait for
             return self._read_shared(key, None)
         path = shared.path_for(key)
+        seen = self._seen(key)
+        if seen is not None:
+            near = self._from_copy(key, path, seen, None, self.copy(key, seen))
+            if near is not None:
+                return near
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -225,20 +258,9 @@ class NodeCopies:
         # The shared file's identity names its copy (a link, another user's file: no copy).
         usable = st is not None and stat.S_ISREG(st.st_mode) and insecure(st) is None
         stamp = stamp_of(st) if st is not None and usable else None
-
-        def from_copy(data: bytes | None) -> ReadResult | None:
-            # The copy, checked as the shared entry is.
-            if data is None or stamp is None:
-                return None
-            try:
-                entry = check_data(key, data)
-            except EntryFormatError as e:
-                self.drop(key, stamp, str(e))
-                return None
-            self.count("node_reads")
-            return ReadResult(path, entry=entry, stat=st, data=data)
-
-        near = None if stamp is None else from_copy(self.copy(key, stamp))
+        if stamp is not None:
+            self._saw(key, stamp)
+        near = None if stamp is None else self._from_copy(key, path, stamp, st, self.copy(key, stamp))
         if near is not None:
             return near
         claim = self.claim(key)
@@ -246,10 +268,64 @@ class NodeCopies:
             # Another rank of the node is copying it: its copy, if it comes within the time
             # a read of our own would take.
             data, claim = self.wait_for(key, stamp)
-            near = from_copy(data)
+            near = self._from_copy(key, path, stamp, st, data)
             if near is not None:
                 return near
         return self._read_shared(key, claim)
+
+    def _from_copy(self, key: str, path: Path, stamp: Stamp, st: os.stat_result | None,
+                   data: bytes | None) -> ReadResult | None:
+        """``data``, the copy of the shared file ``stamp``, checked as the shared entry is;
+        ``None`` where there is none, or it failed (dropped)."""
+        if data is None:
+            return None
+        try:
+            entry = check_data(key, data)
+        except EntryFormatError as e:
+            self.drop(key, stamp, str(e))
+            return None
+        self.count("node_reads")
+        return ReadResult(path, entry=entry, stat=st, data=data, stamp=stamp)
+
+    def _seen_path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}{SEEN_SUFFIX}"
+
+    def _seen(self, key: str) -> Stamp | None:
+        """The stamp a process of the node saw of the shared entry within :data:`SEEN_FOR`."""
+        path = self._seen_path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if (not stat.S_ISREG(st.st_mode) or insecure(st) is not None
+                    or not 0 <= time.time() - st.st_mtime < SEEN_FOR):
+                return None
+            fields = os.read(fd, 128).split()
+            if len(fields) != 4 or not all(f.isdigit() for f in fields):
+                return None
+            return tuple(int(f) for f in fields)  # type: ignore[return-value]
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def _saw(self, key: str, stamp: Stamp) -> None:
+        """Leave what this process saw of the shared entry for the node's others (scratch:
+        no fsync; a torn record does not parse and is asked again)."""
+        target = self._seen_path(key)
+        try:
+            make_private_dir(target.parent)
+            atomic_write(target.parent, target, " ".join(map(str, stamp)).encode(), durable=False)
+        except OSError as e:
+            logger.debug("asyncclcache: no record of %s on the node: %s", key[:12], e)
+
+    def forget(self, key: str) -> None:
+        """Drop what the node saw of ``key``'s shared entry (it was removed or refused here):
+        the node's next lookup asks the shared directory."""
+        with contextlib.suppress(OSError):
+            os.unlink(self._seen_path(key))
 
     def _read_shared(self, key: str, claim: Claim | None) -> ReadResult:
         """The shared file, read and counted; under the node's ``claim``, left as the
@@ -367,6 +443,23 @@ class NodeCopies:
             self._give_up(e)
             return None
 
+    def write_claim(self, key: str) -> Claim | bool:
+        """The node's claim to write ``key`` to the shared directory (an ``flock``, never
+        waited for), taken before the shared directory's: the node's other processes then
+        skip the key without asking the shared directory. ``False`` while another process
+        of the node holds it; ``True`` where the node-local directory failed (no node claim:
+        the shared directory's alone decides)."""
+        if not self.enabled:
+            return True
+        fanout = self.root / key[:2]
+        try:
+            make_private_dir(fanout)
+            claim = take(key, fanout / f"{key}{WRITE_CLAIM}{LOCK_SUFFIX}")
+        except OSError as e:
+            self._give_up(e)
+            return True
+        return False if claim is None else claim
+
     def put(self, key: str, stamp: Stamp, data: bytes) -> None:
         """Keep ``data`` (checked) as the copy of the shared file ``stamp`` of ``key``: what
         this process just wrote there. Skipped while another process copies ``key``."""
@@ -389,6 +482,7 @@ class NodeCopies:
             else:
                 logger.info("asyncclcache: no node-local copy of %s: %s", key[:12], e)
             return
+        self._saw(key, stamp)  # the node's others take this copy without asking the shared directory
         # Older copies of this key: their shared file was replaced.
         with contextlib.suppress(OSError):
             for name in os.listdir(target.parent):

@@ -105,6 +105,9 @@ class ReadResult:
     insecure: bool = False
     stat: os.stat_result | None = None
     data: bytes | None = None
+    #: The file's :func:`stamp_of` where ``stat`` is not known (a node's copy, served on
+    #: what a process of the node saw of the file: :mod:`.nodecopies`).
+    stamp: Stamp | None = None
 
 
 def check_data(key: str, data: bytes) -> Entry:

@@ -270,9 +270,14 @@ class Store:
             self._reject(r.path, r.problem, r.stat, insecure=r.insecure)
             return None, self.stamp(key)
         if r.entry is not None and devices is not None and r.entry.meta.devices != list(devices):
+            if r.stat is None and self.node is not None:  # the node's copy, served on its record
+                self.node.forget(key)  # the shared file itself is looked at next time
+                return None, self.stamp(key)
             self._reject(r.path, "was built for another device", r.stat)
             return None, self.stamp(key)
-        return r.entry, (stamp_of(r.stat) if r.entry is not None and r.stat is not None else None)
+        if r.entry is None:
+            return None, None
+        return r.entry, (stamp_of(r.stat) if r.stat is not None else r.stamp)
 
     def stamp(self, key: str) -> Stamp | None:
         """The :func:`stamp_of` of the entry file for ``key`` now; ``None`` if there is none."""
@@ -326,6 +331,28 @@ class Store:
         """
         if not self.writable:
             return None
+        # The node's claim first: its other ranks skip the key without a request to the
+        # shared directory (a cold job's ranks each claimed every program there).
+        node_claim = self.node.write_claim(key) if self.node is not None else True
+        if node_claim is False:
+            return None
+        try:
+            claim = self._claim_shared(key, unless_written_since)
+        except BaseException:
+            if not isinstance(node_claim, bool):
+                node_claim.release()
+            raise
+        if not isinstance(node_claim, bool):
+            if claim is None:
+                node_claim.release()
+            else:
+                claim.also = node_claim
+        return claim
+
+    def _claim_shared(
+        self, key: str, unless_written_since: tuple[AnyStamp, AnyStamp] | None,
+    ) -> Claim | None:
+        """:meth:`claim` in the shared directory alone."""
 
         def written() -> bool:
             if unless_written_since is None:
@@ -447,6 +474,8 @@ class Store:
 
     def remove(self, key: str) -> bool:
         """Delete the entry for ``key``; True if there was one."""
+        if self.node is not None:
+            self.node.forget(key)  # the node's processes look at the shared directory again
         try:
             os.unlink(self.path_for(key))
         except OSError:
