@@ -151,7 +151,7 @@ def test_a_node_asks_the_shared_directory_about_an_entry_once_a_window(rank, mon
     real = os.lstat
     monkeypatch.setattr(os, "lstat", lambda p, *a, **k: (asked.append(os.fspath(p)), real(p, *a, **k))[1])
     for r in range(1, 6):
-        s, c = rank(r, "a")
+        s, _ = rank(r, "a")
         assert s.load(key, IDENT).binaries == (b"payload",)
     assert asked.count(shared) == 1  # the node's first lookup; the others took what it saw
     # A record that does not parse, or is not the user's own file: asked again, never trusted.
