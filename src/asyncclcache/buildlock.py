@@ -129,7 +129,7 @@ def one_at_a_time(devices: Sequence[cl.Device], source: bytes, options: object) 
     global _told
     pocl_dir = pocl.kernel_cache_dir() if _all_pocl(devices) else None
     folder = None if pocl_dir is None else _folder(pocl_dir)
-    if folder is None:
+    if pocl_dir is None or folder is None:
         yield
         return
     fd = None
