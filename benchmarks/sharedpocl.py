@@ -78,8 +78,9 @@ def _job(runner: Any, variant: str, ranks: int, programs: int, statements: int, 
          timeout: float = 900) -> dict[str, Any]:
     """One job of ``ranks`` processes on a new node; its wall and CPU, each rank's JSON."""
     node = runner.node()
+    # PMI_RANK puts node-local copies on: in a folder of the run's, as a new node's.
     env0 = runner.env("nocache" if variant.startswith("nocache") else "acc", node,
-                      ASYNCCLCACHE_DIR=runner.fresh("acc"))
+                      ASYNCCLCACHE_DIR=runner.fresh("acc"), ASYNCCLCACHE_NODE_DIR=runner.fresh("nodelocal"))
     mode = "acc" if variant.startswith("acc") else "plain"
     start = time.time() + 1.5 + 0.15 * ranks  # every rank imported by then
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
