@@ -292,24 +292,11 @@ class NodeCopies:
 
     def _seen(self, key: str) -> Stamp | None:
         """The stamp a process of the node saw of the shared entry within :data:`SEEN_FOR`."""
-        path = self._seen_path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
-        except OSError:
+        data = self._read_own(self._seen_path(key), fresh_for=SEEN_FOR)
+        fields = [] if data is None else data.split()
+        if len(fields) != 4 or not all(f.isdigit() for f in fields):
             return None
-        try:
-            st = os.fstat(fd)
-            if (not stat.S_ISREG(st.st_mode) or insecure(st) is not None
-                    or not 0 <= time.time() - st.st_mtime < SEEN_FOR):
-                return None
-            fields = os.read(fd, 128).split()
-            if len(fields) != 4 or not all(f.isdigit() for f in fields):
-                return None
-            return tuple(int(f) for f in fields)  # type: ignore[return-value]
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+        return tuple(int(f) for f in fields)  # type: ignore[return-value]
 
     def _saw(self, key: str, stamp: Stamp) -> None:
         """Leave what this process saw of the shared entry for the node's others (scratch:
@@ -349,7 +336,7 @@ class NodeCopies:
         if not self.enabled:
             return None
         path = self._copy_path(key, stamp)
-        data = self._read_copy(path)
+        data = self._read_own(path)
         if data is not None:
             # Its atime: the node's LRU (prune). Its mtime stays when the node last marked the
             # shared entry used (:meth:`shared_use_due`).
@@ -410,7 +397,10 @@ class NodeCopies:
             os.unlink(self._copy_path(key, stamp))
 
     @staticmethod
-    def _read_copy(path: Path) -> bytes | None:
+    def _read_own(path: Path, fresh_for: float | None = None) -> bytes | None:
+        """The bytes of our own regular file at ``path`` (no link followed, never blocking on
+        a FIFO); with ``fresh_for``, only where it was written less than that many seconds
+        ago (this host's clock against this host's file). ``None`` otherwise."""
         try:
             fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
         except OSError:
@@ -418,6 +408,8 @@ class NodeCopies:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or insecure(st) is not None:
+                return None
+            if fresh_for is not None and not 0 <= time.time() - st.st_mtime < fresh_for:
                 return None
             with os.fdopen(fd, "rb", closefd=False) as f:
                 return f.read()
