@@ -55,28 +55,28 @@ def cached_build(
     """
     if _bypass_reason(prg, cache) is not None:
         return PYOPENCL_BUILD(prg, options, devices, cache_dir)
+    t0 = time.perf_counter()
     source = _pyopencl.unbuilt_source(prg)
-    text = source.encode("utf-8", "surrogateescape") if isinstance(source, str) else bytes(source or b"")
-    devs = list(devices) if devices is not None else list(_pyopencl.context_of(prg).devices)
+    assert source is not None  # a source program: _bypass_reason
+    source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
+    context = _pyopencl.context_of(prg)
+    devs = list(devices) if devices is not None else list(context.devices)
+    seconds = time.perf_counter() - t0
     # pocl before 6.0 fails a build of a program that another process builds in the same
     # kernel cache (pocl#1480): one at a time (buildlock.py); the next finds pocl's files.
-    with buildlock.one_at_a_time(devs, text, options):
-        return _cached_build(prg, cache, options, devices, cache_dir)
+    with buildlock.one_at_a_time(devs, source_bytes, options):
+        t0 = time.perf_counter()
+        build = _build_of(prg, cache, options, devices, context=context, devs=devs, source=source,
+                          source_bytes=source_bytes)
+        if build is None:  # not cached (counted)
+            return PYOPENCL_BUILD(prg, options, devices, cache_dir)
+        prg.cache_key = build.info.key  # type: ignore[attr-defined]
+        cache.record_overhead(seconds + time.perf_counter() - t0)
+        return _built(prg, cache, build)
 
 
-def _cached_build(
-    prg: cl.Program,
-    cache: Cache,
-    options: str | Sequence[str] | None,
-    devices: Sequence[cl.Device] | None,
-    cache_dir: str | None,
-) -> cl.Program:
-    t0 = time.perf_counter()
-    build = _build_of(prg, cache, options, devices)
-    if build is None:  # not cached (counted)
-        return PYOPENCL_BUILD(prg, options, devices, cache_dir)
-    prg.cache_key = build.info.key  # type: ignore[attr-defined]
-    cache.record_overhead(time.perf_counter() - t0)
+def _built(prg: cl.Program, cache: Cache, build: Build) -> cl.Program:
+    """``build`` through ``cache``, made ``prg``'s as pyopencl's ``build()`` leaves it."""
     built = cache.build(build)
     if built.replay:
         _replay_logs(built.replay, build.devices)
@@ -86,19 +86,16 @@ def _cached_build(
 
 def _build_of(
     prg: cl.Program, cache: Cache, options: str | Sequence[str] | None, devices: Sequence[cl.Device] | None,
+    *, context: cl.Context, devs: list[cl.Device], source: str | bytes, source_bytes: bytes,
 ) -> Build | None:
-    """The hand-off of one build to the cache; ``None`` (counted): nothing is cached for its
+    """The hand-off of one build to the cache (``devs``: ``devices`` or the context's;
+    ``source`` as given, and its bytes); ``None`` (counted): nothing is cached for its
     devices, or its key is uncertain."""
-    context = _pyopencl.context_of(prg)
-    devs = list(devices) if devices is not None else list(context.devices)
     driver = cache.driver_for(devs)
     if not driver.stores:
         cache.record_cache_off(driver)
         return None
     options_bytes, include_path = _pyopencl.process_options(prg, options)
-    source = _pyopencl.unbuilt_source(prg)
-    assert source is not None
-    source_bytes = source.encode("utf-8") if isinstance(source, str) else bytes(source)
     folder, doubt = platforms.source_folder(devs, options_bytes, Job.caller_cwd())
     if doubt is not None and include_path[:1] == ["."]:
         # pyopencl's "." stands for the folder beside the source: the doubt is about it.

@@ -211,15 +211,18 @@ FOLD_EVERY = 600.0
 MAX_FOLD = 4096
 
 
+def _counters(data: dict[str, Any]) -> dict[str, float]:
+    """The lifetime counters in ``data`` (other keys, and values that are not numbers, left out)."""
+    return {k: v for k in LIFETIME_FIELDS
+            if isinstance(v := data.get(k), (int, float)) and not isinstance(v, bool)}
+
+
 def _parse(raw: bytes) -> dict[str, float] | None:
     try:
         data = json.loads(raw)
     except ValueError:
         return None
-    if not isinstance(data, dict):
-        return None
-    return {k: v for k in LIFETIME_FIELDS
-            if isinstance(v := data.get(k), (int, float)) and not isinstance(v, bool)}
+    return _counters(data) if isinstance(data, dict) else None
 
 
 def _read_file(path: Path) -> dict[str, float] | None:
@@ -240,10 +243,7 @@ def _read_total(root: Path) -> tuple[dict[str, float], frozenset[str]]:
     folded = data.get("folded")
     names = frozenset(n for n in folded if isinstance(n, str)) if isinstance(folded, list) else frozenset()
     counters = data.get("counters", data)  # before the fold kept names: the counters alone
-    if not isinstance(counters, dict):
-        return {}, names
-    return {k: v for k in LIFETIME_FIELDS
-            if isinstance(v := counters.get(k), (int, float)) and not isinstance(v, bool)}, names
+    return (_counters(counters) if isinstance(counters, dict) else {}), names
 
 
 def _names(root: Path) -> list[str]:
