@@ -24,12 +24,14 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import maintenance, summary
+from . import maintenance, nodecompile, summary
 from .config import STRATEGIES, get_config, parse_size, strategy_in_use
 from .drivers import Build, Driver, Hit, HitOutcome, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
 from .errors import BackgroundError, BinaryRejectedWarning
 from .keys import baked_key
+from .nodecompile import COMPILES, NodeCompiles
+from .nodecopies import node_base
 from .pipeline import MAX_JOBS, Pipeline
 from .stats import Counters, Stats
 from .store import BAKED_RECHECK, Stamp, Store
@@ -250,6 +252,12 @@ class Cache:
         self._bake_idle = cfg.bakes_idle(self.store.rank)
         self._nworkers = max(1, workers)
         self._start_fresh()
+        #: The node's ranks compile each program once (:mod:`.nodecompile`), or ``None``.
+        self._node_compiles: NodeCompiles | None = None
+        on = cfg.node_compile if cfg.node_compile is not None else self.store.rank is not None
+        if on and not self.disabled:
+            self._node_compiles = NodeCompiles(node_base(cfg.node_dir, cfg.test_node).base / COMPILES,
+                                               self._count_node)
         self._closed = False
         _CACHES.add(self)
         if cfg.stats:
@@ -462,11 +470,23 @@ class Cache:
                 return built
         t0 = time.perf_counter()
         built_from = time.time()
-        program = b.from_source()
+        program = self._compile(b)
         built_to = time.time()
         seconds = time.perf_counter() - t0
         self._missed(b, program, looked_up_at, seconds=seconds, built=(built_from, built_to))
         return Built(program, False, "source build (binary retrieved in the background)", seconds)
+
+    def _count_node(self, name: str) -> None:
+        self._counters.add(name)  # the counters of now: a forked child's are new
+
+    def _compile(self, b: Build) -> Any:
+        """A miss's source build: once a node where the node's ranks share their compiles."""
+        nc, root = self._node_compiles, b.driver.node_root
+        if nc is None or root is None or not nc.enabled:
+            return b.from_source()
+        program, folders = nc.build(b.info.key, root, b.from_source, lambda p: b.describe(p)[1])
+        nodecompile.register(nc, program, b.info.key, root, folders, launches_add=b.driver.launches_add)
+        return program
 
     def _from_entry(self, b: Build, entry: Entry, looked_up_at: float) -> Built | None:
         """The hit policy, per :class:`HitOutcome`; ``None``: build from source."""
@@ -548,6 +568,11 @@ class Cache:
         given). A driver that can tell cheaply when the program gains variants (kcache)
         gets it watched, for a refresh at flush."""
         self._counters.add("hits")
+        nc = self._node_compiles
+        if nc is not None and b.driver.node_root is not None and hit.folders:
+            # The entry may lack a variant a launch here needs: compiled once a node too.
+            nodecompile.register(nc, hit.program, b.info.key, b.driver.node_root, hit.folders,
+                                 launches_add=b.driver.launches_add)
         if _first_build(b.info.key):
             self._counters.add("seconds_saved", max(0.0, entry.meta.compile_seconds - seconds))
         self._count_in_step(hit=True)

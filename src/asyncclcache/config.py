@@ -5,6 +5,7 @@
 ``ASYNCCLCACHE_DISABLE``        ``1``: no caching at all, plain pyopencl builds
 ``ASYNCCLCACHE_RANK_LOCAL``     ``1``: a directory per rank; ``0`` (the default): one for all
 ``ASYNCCLCACHE_NODE_COPIES``    ``0``: no node-local copies; default: on under a launcher
+``ASYNCCLCACHE_NODE_COMPILE``   ``0``: each rank compiles alone; default: once a node under a launcher
 ``ASYNCCLCACHE_NODE_DIR``       node-local storage for them (default ``$TMPDIR``, else ``/tmp``)
 ``ASYNCCLCACHE_NODE_MAX_SIZE``  bound of a node's copies (default 2G; ``0``: none)
 ``ASYNCCLCACHE_STRATEGY``       ``auto`` | ``kcache`` | ``thread`` (``process``, ``sync``: gone, ``auto``)
@@ -127,6 +128,8 @@ class Config:
     disable: bool = False
     rank_local: bool | None = None
     node_copies: bool | None = None
+    #: Each program compiled once a node (:mod:`.nodecompile`); ``None``: where a rank is detected.
+    node_compile: bool | None = None
     node_dir: str | None = None
     node_max_size: int | None = DEFAULT_NODE_MAX_BYTES
     #: Test-only: a simulated node's name (:data:`.ranks.TEST_NODE_ENV`).
@@ -171,6 +174,7 @@ class Config:
         return cls(
             directory=_path(e, "ASYNCCLCACHE_DIR"),
             node_copies=parse_bool(e.get("ASYNCCLCACHE_NODE_COPIES"), name="ASYNCCLCACHE_NODE_COPIES"),
+            node_compile=parse_bool(e.get("ASYNCCLCACHE_NODE_COMPILE"), name="ASYNCCLCACHE_NODE_COMPILE"),
             node_dir=_path(e, "ASYNCCLCACHE_NODE_DIR"),
             node_max_size=node_max_size,
             test_node=(e.get(TEST_NODE_ENV) or "").strip() or None,

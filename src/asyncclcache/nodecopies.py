@@ -71,6 +71,7 @@ from .fileio import (
     make_private_dir,
 )
 from .locks import LOCK_SUFFIX, Claim, take
+from .nodecompile import COMPILES, RECORD_FOR, RECORD_SUFFIX
 from .shared import ReadResult, SharedDir, Stamp, check_data, stamp_of
 
 __all__ = ["NodeCopies", "NodePlace", "NodeStorage", "node_base"]
@@ -155,9 +156,11 @@ class NodeStorage:
         return hex_dirs(self.root, ROOT_DIGITS)
 
     def files(self) -> Iterator[tuple[Path, str]]:
-        """``(path, name)`` of every file in every fan-out directory (copies, locks, temps)."""
+        """``(path, name)`` of every file in every fan-out directory (copies, locks, temps;
+        and the records of :mod:`.nodecompile`)."""
         for r in self.roots():
             yield from fanout_files(r)
+        yield from fanout_files(self.root / COMPILES)
 
     def entries(self) -> Iterator[StoredEntry]:
         """Every copy, unvalidated (``key``: its name less the suffix)."""
@@ -167,11 +170,13 @@ class NodeStorage:
     @staticmethod
     def expired(path: Path, name: str) -> bool:
         """Whether the file ``name`` at ``path`` is a record of what the node saw that no
-        process takes any more (older than :data:`SEEN_FOR`): the sweep removes it."""
-        if not name.endswith(SEEN_SUFFIX):
+        process takes any more (older than :data:`SEEN_FOR`), or a record of a compile on
+        the node older than :data:`.nodecompile.RECORD_FOR`: the sweep removes it."""
+        keep = SEEN_FOR if name.endswith(SEEN_SUFFIX) else RECORD_FOR if name.endswith(RECORD_SUFFIX) else None
+        if keep is None:
             return False
         try:
-            return time.time() - os.lstat(path).st_mtime >= SEEN_FOR
+            return time.time() - os.lstat(path).st_mtime >= keep
         except OSError:
             return False
 

@@ -89,6 +89,12 @@ class Stats:
     shared_reads: int = _counter("node-local copies on: entries read from the shared directory (a node's "
                                  "first read, or a rank that did not wait for the one reading it)")
     node_reads: int = _counter("node-local copies on: entries read from this node's copies", line="never")
+    node_builds: int = _counter("ranks of a node: builds that took another rank's compiled program "
+                                "(pocl's front end skipped)")
+    node_launches: int = _counter("ranks of a node: first launches that took another rank's compiled "
+                                  "variant (pocl's code generation skipped)")
+    node_waits_cut: int = _counter("ranks of a node: waits for another rank's compile cut at the bound "
+                                   "(a stopped rank?)")
     baked_hits: int = _counter("hits served by a baked binary (asyncclcache bake)")
     bakes_dropped: int = _counter("baked binaries not used at a hit (stale or refused), dropped")
     bakes_not_queued: int = _counter("entries the idle baker could not take (busy, or off here): bake later")

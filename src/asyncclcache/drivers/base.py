@@ -9,6 +9,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .. import platforms
@@ -220,6 +221,11 @@ class Driver(ABC):
     watches_hits: bool = False
     #: Its entries can be baked into binaries (``asyncclcache bake``): a hit prefers those.
     bakes: bool = False
+    #: A driver cache of one folder per program that the ranks of a node may hand each
+    #: other (:mod:`asyncclcache.nodecompile`): its root (pocl's kernel cache), else ``None``.
+    node_root: Path | None = None
+    #: Launches compile (and add to a program's folder): first launches are handed on too.
+    launches_add: bool = False
     #: Set by the cache: receives the CPU seconds the driver's own threads spent.
     on_cpu: Callable[[float], None] | None = None
     #: Set by the cache: adds to one of its counters (a :class:`~asyncclcache.stats.Stats` field).

@@ -117,7 +117,7 @@ class KcacheDriver(BackgroundDriver):
     settle_seconds = SETTLE_SECONDS
 
     def __init__(self, root: Path, layout: Layout = pocl.LAYOUT) -> None:
-        self.root = root
+        self.root = self.node_root = root
         #: Whether launches add variants to a folder (a snapshot waits for them): pocl's
         #: CPU devices; its CUDA device's build writes every file (F27).
         self.launches_add = layout.launches_add
