@@ -30,7 +30,7 @@ from .drivers import Build, Driver, Hit, HitOutcome, Job, Purpose, make_driver, 
 from .entry import Entry
 from .errors import BackgroundError, BinaryRejectedWarning
 from .keys import baked_key
-from .nodecompile import COMPILES, NodeCompiles
+from .nodecompile import NodeCompiles
 from .nodecopies import node_base
 from .pipeline import MAX_JOBS, Pipeline
 from .stats import Counters, Stats
@@ -256,8 +256,7 @@ class Cache:
         self._node_compiles: NodeCompiles | None = None
         on = cfg.node_compile if cfg.node_compile is not None else self.store.rank is not None
         if on and not self.disabled:
-            self._node_compiles = NodeCompiles(node_base(cfg.node_dir, cfg.test_node).base / COMPILES,
-                                               self._count_node)
+            self._node_compiles = NodeCompiles(node_base(cfg.node_dir, cfg.test_node), self._count_node)
         self._closed = False
         _CACHES.add(self)
         if cfg.stats:

@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .drivers.cachefiles import restore, unrestore
 from .drivers.folders import candidates, folder_files, mark, moved, narrow, valid_file
@@ -67,6 +67,9 @@ from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, atomic_write, insecure, make_pr
 from .fsclock import clock_for
 from .locks import LOCK_SUFFIX
 from .platforms.pocl import PROGRAM_FILE
+
+if TYPE_CHECKING:
+    from .nodecopies import NodePlace
 
 __all__ = ["COMPILES", "RECORD_FOR", "RECORD_SUFFIX", "STRIPES", "WAIT", "NodeCompiles"]
 
@@ -114,22 +117,24 @@ class _Program:
 
 
 class NodeCompiles:
-    """The node's compiles of one process's cache: under ``base`` (``<node base>/compiles``).
+    """The node's compiles of one process's cache: in ``where`` (``<node base>/compiles``).
     ``count`` is the counters' ``add``. Thread- and process-safe."""
 
-    def __init__(self, base: Path, count: Callable[[str], None] | None = None) -> None:
-        self.base = base
+    def __init__(self, where: NodePlace, count: Callable[[str], None] | None = None) -> None:
+        self.base = where.base / COMPILES
         self.count = count if count is not None else (lambda name: None)
         self.problem: str | None = None
         self._held: set[str] = set()  # stripes this process holds
         self._warm_fd = 0  # the warm file, held shared once this process compiled
         self._lock = threading.Lock()
         try:
-            make_private_dir(base)
-            make_private_dir(base / "locks")
+            if where.given:
+                where.parent.mkdir(parents=True, exist_ok=True)
+            for d in dict.fromkeys((where.top, where.base, self.base, self.base / "locks")):
+                make_private_dir(d)
         except OSError as e:
             self.problem = str(e)
-            logger.info("asyncclcache: programs are not compiled once a node: %s: %s", base, e)
+            logger.warning("asyncclcache: each rank compiles alone: %s cannot be used: %s", self.base, e)
 
     @property
     def enabled(self) -> bool:
