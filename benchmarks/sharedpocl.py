@@ -9,12 +9,15 @@ by every rank of a user on a node), issue 41.
   program one at a time in a shared pocl cache: ``buildlock.py``), wall and CPU of the job.
   Defaults: 16 ranks, 24 programs, 5 runs.
 * ``heavy``: 4 ranks building the same 6 heavy programs (160 statements a kernel) and
-  launching each, every cache empty (F31): without a cache, each rank its own pocl cache (as
-  docs/mpi.md advised before) (``nocache-own``); without a cache, one shared pocl cache
-  (``nocache-shared``: pocl#1480 on pocl before 6.0); asyncclcache with one shared pocl
-  cache (``acc-shared``); each rank's slowest program time, the job's wall and CPU, as
-  ratios to ``nocache-own`` within each repetition; also one rank alone (``nocache-1``,
-  ``acc-1``).
+  launching each, every cache empty (F31), each program compiled once a node where
+  asyncclcache is installed (``nodecompile.py``): without a cache, each rank its own pocl
+  cache (as docs/mpi.md advised before) (``nocache-own``), and asyncclcache so
+  (``acc-own``); the same with a barrier between every build and its launch
+  (``*-barrier``: every rank waits until all have built, as an MPI barrier would; a file
+  barrier, since the bench starts the ranks itself; the tests use MPICH's); one shared pocl
+  cache (``nocache-shared``: pocl#1480 on pocl before 6.0; ``acc-shared``); one rank alone
+  (``nocache-1``, ``acc-1``). Each rank's slowest program time, the job's wall and CPU, as
+  ratios to the same job without the cache within each repetition.
 """
 
 from __future__ import annotations
@@ -47,12 +50,21 @@ while time.time() < start:  # the ranks build together, as after a simulation's 
     time.sleep(0.002)
 t1 = time.perf_counter()
 failed = []
+def barrier(i):  # every rank waits until all have built program i (as an MPI barrier)
+    d = os.environ.get("BENCH_BARRIER")
+    if not d:
+        return
+    open(os.path.join(d, f"{i}-{os.environ['PMI_RANK']}"), "w").close()
+    n = int(os.environ["PMI_SIZE"])
+    while sum(1 for f in os.listdir(d) if f.startswith(f"{i}-")) < n:
+        time.sleep(0.005)
 for i in range(programs):
     body = "".join(f"x = x * {1 + (i + j) % 7}.5f + a[(g + {j}) % 256];" for j in range(statements))
     src = ("__kernel void f(__global float *a) { int g = get_global_id(0); float x = a[g]; "
            + body + " a[g] = x; } // sharedpocl " + str(i))
     try:
         prg = cl.Program(ctx, src).build()
+        barrier(i)
         prg.f(q, a.shape, (16,), buf)
         q.finish()
     except cl.Error as e:
@@ -67,21 +79,29 @@ LEGEND = {
     "nocache": "plain pyopencl, one pocl cache for every rank",
     "acc": "asyncclcache installed, one pocl cache for every rank",
     "nocache-own": "plain pyopencl, each rank its own pocl cache (the advice before)",
+    "acc-own": "asyncclcache installed, each rank its own pocl cache",
+    "nocache-own-barrier": "plain pyopencl, own pocl caches, a barrier between build and launch",
+    "acc-own-barrier": "asyncclcache installed, own pocl caches, a barrier between build and launch",
     "nocache-shared": "plain pyopencl, one pocl cache for every rank",
     "acc-shared": "asyncclcache installed, one pocl cache for every rank",
     "nocache-1": "one rank alone, plain pyopencl",
     "acc-1": "one rank alone, asyncclcache",
 }
+#: What each variant of the heavy jobs is compared with: the same job without the cache.
+BASE = {"acc-own": "nocache-own", "nocache-own-barrier": "nocache-own", "acc-own-barrier": "nocache-own-barrier",
+        "nocache-shared": "nocache-own", "acc-shared": "nocache-own", "acc-1": "nocache-1"}
 
 
 def _job(runner: Any, variant: str, ranks: int, programs: int, statements: int, shared: bool,
-         timeout: float = 900) -> dict[str, Any]:
+         timeout: float = 900, *, barrier: bool = False) -> dict[str, Any]:
     """One job of ``ranks`` processes on a new node; its wall and CPU, each rank's JSON."""
     node = runner.node()
     # PMI_RANK puts node-local copies on: in a folder of the run's, as a new node's.
     env0 = runner.env("nocache" if variant.startswith("nocache") else "acc", node,
                       ASYNCCLCACHE_DIR=runner.fresh("acc"), ASYNCCLCACHE_NODE_DIR=runner.fresh("nodelocal"))
     mode = "acc" if variant.startswith("acc") else "plain"
+    if barrier:
+        env0["BENCH_BARRIER"] = runner.fresh("barrier")
     start = time.time() + 1.5 + 0.15 * ranks  # every rank imported by then
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     procs = []
@@ -128,11 +148,14 @@ def measure_sharedpocl(runner: Any, reps: int, log: Callable[[str], None], save:
             save(res)
     for rep in range(1 if quick else reps):
         row = {}
-        jobs = [("nocache-own", 4, False), ("nocache-shared", 4, True), ("acc-shared", 4, True)]
+        jobs = [("nocache-own", 4, False), ("acc-own", 4, False), ("nocache-own-barrier", 4, False),
+                ("acc-own-barrier", 4, False)]
         if not quick:
-            jobs += [("nocache-1", 1, False), ("acc-1", 1, False)]
+            jobs += [("nocache-shared", 4, True), ("acc-shared", 4, True), ("nocache-1", 1, False),
+                     ("acc-1", 1, False)]
         for v, n, shared in jobs:
-            row[v] = one = _job(runner, v, n, heavy_programs, statements, shared=shared)
+            row[v] = one = _job(runner, v, n, heavy_programs, statements, shared=shared,
+                                barrier=v.endswith("-barrier"))
             log(f"sharedpocl heavy rep {rep + 1} {v:14s}: slowest rank {one['slowest_s'] or 0:.1f} s, "
                 f"wall {one['wall_s']:.1f} s, cpu {one['cpu_s']:.1f} s, {one['failed']} failed")
         res["heavy"]["reps"].append(row)
@@ -162,16 +185,16 @@ def table_md(res: dict[str, Any]) -> str:
     if h:
         hv = res["heavy"]
         heavy = f"{hv['programs']} heavy programs ({hv.get('statements', HEAVY)} statements)"
-        lines += ["", f"4 ranks, {heavy}, every cache empty; ratios to `nocache-own` in the same "
-                  "repetition, medians:", "",
-                  "| variant | slowest rank | wall | cpu | failed builds |", "|---|--:|--:|--:|--:|"]
-        for v in [x for x in LEGEND if x in h[0] and x not in ("nocache", "acc")]:
+        lines += ["", f"4 ranks (or 1), {heavy}, every cache empty; ratios to the same job without "
+                  f"the cache in the same repetition, medians of {len(h)}:", "",
+                  "| variant | against | slowest rank | wall | cpu | failed builds |",
+                  "|---|---|--:|--:|--:|--:|"]
+        for v in [x for x in BASE if x in h[0] and BASE[x] in h[0]]:
             def ratio(field: str, v: str = v) -> str:
-                xs = [r[v][field] / r["nocache-own"][field] for r in h
-                      if r[v][field] and r["nocache-own"][field]]
-                return _median(xs)
-            lines.append(f"| {v}: {LEGEND[v]} | {ratio('slowest_s')} | {ratio('wall_s')} | {ratio('cpu_s')} | "
-                         f"{sum(r[v]['failed'] for r in h)} |")
+                b = BASE[v]
+                return _median([r[v][field] / r[b][field] for r in h if r[v][field] and r[b][field]])
+            lines.append(f"| {v}: {LEGEND[v]} | {BASE[v]} | {ratio('slowest_s')} | {ratio('wall_s')} | "
+                         f"{ratio('cpu_s')} | {sum(r[v]['failed'] for r in h)} |")
         base = [r["nocache-own"] for r in h]
         lines += ["", f"`nocache-own` itself: slowest rank {_median([b['slowest_s'] for b in base])} s, wall "
                   f"{_median([b['wall_s'] for b in base])} s, cpu {_median([b['cpu_s'] for b in base])} s."]

@@ -241,8 +241,9 @@ def test_sharedpocl_jobs_build_in_one_pocl_cache_and_report_their_failures(tmp_p
     logs = tmp_path / "logs"
     logs.mkdir()
     runner = bench_run.Runner(tmp_path / "work", logs, sys.executable)
-    jobs = {v: sharedpocl._job(runner, v, 2, 2, 4, shared=v != "nocache-own")
-            for v in ("nocache-own", "nocache-shared", "acc-shared", "acc")}
+    jobs = {v: sharedpocl._job(runner, v, 2, 2, 4, shared=not v.startswith(("nocache-own", "acc-own")),
+                               barrier=v.endswith("-barrier"))
+            for v in ("nocache-own", "acc-own", "acc-own-barrier", "nocache-shared", "acc-shared", "acc")}
     assert all(j["failures"] == [] and j["slowest_s"] and j["cpu_s"] > 0 for j in jobs.values()), jobs
     pocl_dirs = sorted(p.name for p in (tmp_path / "work").glob("*-node/*") if p.name.startswith("pocl"))
     assert "pocl-rank0" in pocl_dirs and "pocl.asyncclcache-builds" in pocl_dirs  # own caches; the lock's folder
@@ -250,4 +251,7 @@ def test_sharedpocl_jobs_build_in_one_pocl_cache_and_report_their_failures(tmp_p
            "heavy": {"ranks": 2, "programs": 2, "statements": 4, "reps": [jobs]}}
     md = sharedpocl.table_md(res)
     assert "| acc: asyncclcache installed, one pocl cache for every rank | 1 | 0 | 0 |" in md, md
-    assert "| nocache-own: plain pyopencl, each rank its own pocl cache (the advice before) | 1.000 |" in md, md
+    assert "| acc-shared: asyncclcache installed, one pocl cache for every rank | nocache-own |" in md, md
+    assert "acc-own-barrier" not in md  # its base, nocache-own-barrier, was not run
+    # The barrier: each rank waited for the other's build of each program.
+    assert sorted(p.name for p in (tmp_path / "work").glob("*barrier*/*")) == ["0-0", "0-1", "1-0", "1-1"]

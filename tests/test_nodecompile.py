@@ -212,6 +212,30 @@ def test_a_damaged_record_is_ignored(cache_dir: Path, tmp_path: Path, junk: byte
     assert compiles._read_record("ab" + "0" * 62) is None
 
 
+def test_a_forked_child_keeps_no_lock_of_its_parent(tmp_path: Path) -> None:
+    import fcntl
+
+    from asyncclcache.nodecopies import node_base
+
+    compiles = nodecompile.NodeCompiles(node_base(str(tmp_path)))
+    fd = compiles._take("abc")
+    assert fd is not None
+    pid = os.fork()
+    if pid == 0:  # a multiprocessing worker, say, forked while a first launch held the lock
+        time.sleep(30)
+        os._exit(0)
+    try:
+        compiles._release("abc", fd)
+        probe = os.open(compiles.base / "locks" / "abc.lock", os.O_RDWR)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the child holds it
+        finally:
+            os.close(probe)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 def test_one_process_outside_a_launcher_hands_nothing_on(cache_dir: Path, tmp_path: Path) -> None:
     code = RECORD + "from asyncclcache import nodecompile\nprint(cache._node_compiles is None, nodecompile._real is None)\n"
     env = {k: "" for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")}

@@ -56,6 +56,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,9 +125,11 @@ class NodeCompiles:
         self.base = where.base / COMPILES
         self.count = count if count is not None else (lambda name: None)
         self.problem: str | None = None
-        self._held: set[str] = set()  # stripes this process holds
+        self._held: dict[str, int] = {}  # stripes this process holds (-1: being taken) -> their fd
         self._warm_fd = 0  # the warm file, held shared once this process compiled
+        self._told = False
         self._lock = threading.Lock()
+        _instances.add(self)
         try:
             if where.given:
                 where.parent.mkdir(parents=True, exist_ok=True)
@@ -148,26 +151,30 @@ class NodeCompiles:
         with self._lock:
             if stripe in self._held:
                 return None
-            self._held.add(stripe)
+            self._held[stripe] = -1
         fd = None
         try:
             fd = _open_lock(self.base / "locks" / f"{stripe}{LOCK_SUFFIX}")
             if not self._warm_fd and self._warm_elsewhere():
                 # A process's first compile pays pocl's start-up (its compiler and kernel
-                # library, F35): a rank that paid it goes first; it is on its way if it
+                # library, docs/design.md F33): a rank that paid it goes first; it is on its way if it
                 # builds this program too (ranks in step), else this one goes on after it.
                 time.sleep(COLD_DEFER)
             if _flock(fd, time.monotonic() + WAIT):
+                with self._lock:
+                    self._held[stripe] = fd
                 return fd
             self.count("node_waits_cut")
-            logger.warning("asyncclcache: another rank of this node held a compile for %.0f s "
-                           "(stopped?); compiling without it", WAIT)
+            if not self._told:
+                self._told = True
+                logger.warning("asyncclcache: another rank of this node held a compile for %.0f s "
+                               "(stopped?); compiling without it", WAIT)
         except OSError as e:
             logger.debug("asyncclcache: no node compile lock: %s", e)
         if fd is not None:
             os.close(fd)
         with self._lock:
-            self._held.discard(stripe)
+            self._held.pop(stripe, None)
         return None
 
     def _warm_elsewhere(self) -> bool:
@@ -200,9 +207,22 @@ class NodeCompiles:
                 self._warm_fd = fd
 
     def _release(self, stripe: str, fd: int) -> None:
-        os.close(fd)
         with self._lock:
-            self._held.discard(stripe)
+            if self._held.get(stripe) != fd:
+                return  # closed in a forked child already (_forked)
+            del self._held[stripe]
+        os.close(fd)
+
+    def _forked(self) -> None:
+        # A forked child shares the parent's locks (one open file each): closed here, so
+        # that they go when the parent releases them, not when the child ends.
+        for fd in [*(f for f in self._held.values() if f >= 0), self._warm_fd]:
+            if fd:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._held = {}
+        self._warm_fd = 0
+        self._lock = threading.Lock()
 
     # }}}
 
@@ -425,6 +445,22 @@ class _Held:
     moving: float
 
 
+_instances: weakref.WeakSet[NodeCompiles] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    global _hook_lock
+    for nc in list(_instances):
+        nc._forked()
+    _Releaser._instance = None
+    _Releaser._make = threading.Lock()  # another thread may have held them at the fork
+    _hook_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 class _Releaser:
     """One daemon thread of the process: releases first launches' locks once pocl has
     compiled their variants (or they wait for other commands, or :data:`WAIT` passed)."""
@@ -535,8 +571,9 @@ def _first(real: Callable[..., Any], queue: Any, kernel: Any, args: tuple[Any, .
            kwargs: dict[str, Any]) -> Any:
     try:
         setattr(kernel, _TAG, None)  # one first launch a kernel object
-    except (AttributeError, TypeError):
-        return real(queue, kernel, *args, **kwargs)  # no attributes here: never shared
+    except (AttributeError, TypeError):  # a pyopencl whose kernels take no attributes
+        uninstall()  # never shared here; no cost a launch
+        return real(queue, kernel, *args, **kwargs)
     try:
         program = _programs.get(int(kernel.program.int_ptr))
         name = kernel.function_name if program is not None else ""
