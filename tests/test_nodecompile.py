@@ -34,6 +34,8 @@ from _pocl import pocl_context
 nodecompile.WAIT = float(sys.argv[3])
 if sys.argv[4] == "one-stripe":
     nodecompile._stripe = lambda *parts: "abc"  # the test holds this lock file
+if sys.argv[4] == "no-release":  # as while the main thread holds the GIL (an mpi4py collective)
+    nodecompile._Releaser.add = lambda self, held: None
 cache = acc.Cache(sys.argv[1]); acc.install(cache)
 ctx = pocl_context(); q = cl.CommandQueue(ctx)
 a = np.ones(64, np.float32)
@@ -108,6 +110,27 @@ def test_a_rank_launching_first_compiles_and_the_other_takes_it(cache_dir: Path,
     assert sa["node_launches"] == 1
     assert "Built a specialized WG function" in err_b
     assert "Built a specialized WG function" not in err_a, err_a[-2000:]
+
+
+def test_a_holder_that_cannot_release_its_lock_blocks_no_one_once_pocl_is_done(
+        cache_dir: Path, tmp_path: Path) -> None:
+    # The first launch's lock goes with a thread of the holder's, which cannot run while its
+    # main thread holds the GIL in a pickle-based mpi4py collective that waits for the others.
+    a = _Steps(cache_dir, tmp_path, "a", stripe="no-release")
+    b = _Steps(cache_dir, tmp_path, "b")
+    try:
+        a("build")
+        b("build")
+        assert a("launch") == {"values": [3.0]}  # compiled; its lock is never released
+        t = time.monotonic()
+        assert b("launch") == {"values": [3.0]}  # pocl's file says a is done: copied
+        assert time.monotonic() - t < nodecompile.WAIT / 2
+        sb = b("stats")
+    finally:
+        err_a, err_b = a.finish(), b.finish()
+    assert sb["node_launches"] == 1 and sb["node_waits_cut"] == 0
+    assert "Built a specialized WG function" in err_a
+    assert "Built a specialized WG function" not in err_b, err_b[-2000:]
 
 
 def _hold(lock: Path) -> subprocess.Popen[str]:
@@ -228,7 +251,15 @@ def test_a_forked_child_keeps_no_lock_of_its_parent(tmp_path: Path) -> None:
         compiles._release("abc", fd)
         probe = os.open(compiles.base / "locks" / "abc.lock", os.O_RDWR)
         try:
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the child holds it
+            # Free once the child has run its at-fork handler (at once); else not for 30 s.
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, "the forked child still holds the lock"
+                    time.sleep(0.01)
         finally:
             os.close(probe)
     finally:

@@ -67,6 +67,7 @@ from .drivers.folders import candidates, folder_files, mark, moved, narrow, vali
 from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, atomic_write, insecure, make_private_dir
 from .fsclock import clock_for
 from .locks import LOCK_SUFFIX
+from .platforms import pocl
 from .platforms.pocl import PROGRAM_FILE
 
 if TYPE_CHECKING:
@@ -87,6 +88,9 @@ WAIT = 60.0
 #: A first launch whose event is still queued (waiting for other commands) this long is
 #: not compiling: its lock is released.
 QUEUED_GRACE = 0.1
+#: Seconds a first launch waits for another rank's compile of its kernel with no sign of it
+#: in that rank's pocl cache (a launch that waits for other commands compiles nothing).
+SILENT_WAIT = 2.0
 #: Seconds a process that never compiled lets a warm one of the node go first (pocl's
 #: start-up, about 0.75 s a process on pocl 3.1, is then paid once a node, not once a rank).
 COLD_DEFER = 0.05
@@ -145,9 +149,10 @@ class NodeCompiles:
 
     # {{{ locks
 
-    def _take(self, stripe: str) -> int | None:
+    def _take(self, stripe: str, done_elsewhere: Callable[[float], bool] | None = None) -> int | None:
         """The stripe's lock, waited for up to :data:`WAIT`; ``None``: not held (this
-        process holds it already, it cannot be made, or the wait was cut)."""
+        process holds it already, it cannot be made, the wait was cut, or
+        ``done_elsewhere(seconds waited)`` said to go on without it)."""
         with self._lock:
             if stripe in self._held:
                 return None
@@ -160,10 +165,16 @@ class NodeCompiles:
                 # library, docs/design.md F33): a rank that paid it goes first; it is on its way if it
                 # builds this program too (ranks in step), else this one goes on after it.
                 time.sleep(COLD_DEFER)
-            if _flock(fd, time.monotonic() + WAIT):
+            got = _flock(fd, time.monotonic() + WAIT, done_elsewhere)
+            if got:
                 with self._lock:
                     self._held[stripe] = fd
                 return fd
+            if got is None:
+                os.close(fd)
+                with self._lock:
+                    self._held.pop(stripe, None)
+                return None
             self.count("node_waits_cut")
             if not self._told:
                 self._told = True
@@ -339,11 +350,16 @@ class NodeCompiles:
         rank compiled for it copied in first, and other ranks' first launches of it waiting
         until pocl has compiled this one's. Returns what ``launch`` returns."""
         stripe = _stripe(program.key, kernel)
-        fd = self._take(stripe)
+        fd = self._take(stripe, lambda waited: self._done_elsewhere(program, kernel, waited))
+        copied = self._copy_variants(program, kernel)
         if fd is None:
             return launch()
         try:
-            copied = self._copy_variants(program, kernel)
+            if not copied:
+                # This rank compiles the variant: the next rank copies it from here (the
+                # record is written first, so that a rank that cannot wait for the lock
+                # still finds where the variant comes, _done_elsewhere).
+                self._write_record(program.key, {"root": str(program.root)}, kernel)
             event = launch()
         except BaseException:
             self._release(stripe, fd)
@@ -351,6 +367,22 @@ class NodeCompiles:
         now = time.monotonic()
         _Releaser.get().add(_Held(self, stripe, fd, event, program, kernel, copied, now, now))
         return event
+
+    def _done_elsewhere(self, program: _Program, kernel: str, waited: float) -> bool:
+        """While waiting for a first launch's lock: whether to go on without it. Its holder's
+        thread releases it, and cannot while the holder's main thread holds the GIL (a
+        pickle-based mpi4py collective does, for as long as it waits for this rank): pocl's
+        own files, written without the GIL, say when the holder's variant is done (go on
+        and copy it), and whether it is being compiled at all (nothing after
+        :data:`SILENT_WAIT`: go on alone)."""
+        rec = self._read_record(program.key, kernel)
+        mine = _variants(program.root, program.folders, kernel)
+        theirs = mine  # no record, or one pocl cache for the node's ranks
+        if rec is not None and Path(rec["root"]) != program.root:
+            theirs = _variants(Path(rec["root"]), program.folders, kernel)
+            if any(done and not mine.get(v) for v, done in theirs.items()):
+                return True  # finished there: copy it
+        return waited > SILENT_WAIT and all(theirs.values())
 
     def _copy_variants(self, program: _Program, kernel: str) -> frozenset[str]:
         rec = self._read_record(program.key, kernel)
@@ -382,20 +414,6 @@ class NodeCompiles:
             self.count("node_launches")
         return frozenset(kept)
 
-    def _compiled(self, program: _Program, kernel: str, copied: frozenset[str]) -> None:
-        # This rank compiled a variant the record's rank had not: the next rank copies ours.
-        if not copied:
-            self._warmed()
-        for folder in program.folders:
-            kdir = program.root / folder / kernel
-            with contextlib.suppress(OSError):
-                for variant in os.scandir(kdir):
-                    for f in os.scandir(variant.path):
-                        rel = f"{folder}/{kernel}/{variant.name}/{f.name}"
-                        if valid_file(rel) and rel not in copied:
-                            self._write_record(program.key, {"root": str(program.root)}, kernel)
-                            return
-
     # }}}
 
 
@@ -412,9 +430,11 @@ def _open_lock(path: Path) -> int:
     return fd
 
 
-def _flock(fd: int, deadline: float) -> bool:
-    """``flock`` ``fd``, waiting with backoff until ``deadline``; whether it is held."""
+def _flock(fd: int, deadline: float, done_elsewhere: Callable[[float], bool] | None = None) -> bool | None:
+    """``flock`` ``fd``, waiting with backoff until ``deadline``; whether it is held
+    (``None``: ``done_elsewhere(seconds waited)`` said to stop waiting)."""
     pause = 0.002
+    start = time.monotonic()
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -422,11 +442,30 @@ def _flock(fd: int, deadline: float) -> bool:
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 return False
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        if done_elsewhere is not None and done_elsewhere(now - start):
+            return None
+        left = deadline - now
         if left <= 0:
             return False
         time.sleep(min(pause, left))
         pause = min(pause * 2, 0.02)
+
+
+def _variants(root: Path, folders: Sequence[str], kernel: str) -> dict[str, bool]:
+    """The variant folders of ``kernel`` in ``folders`` of pocl's cache ``root``: whether
+    each holds its compiled file yet (pocl makes the folder during the code generation
+    and renames the file in at its end)."""
+    out: dict[str, bool] = {}
+    for folder in folders:
+        with contextlib.suppress(OSError), os.scandir(root / folder / kernel) as it:
+            for v in it:
+                done = False
+                with contextlib.suppress(OSError), os.scandir(v.path) as files:
+                    done = any(f.name.startswith(f"{kernel}.") and not f.name.endswith(pocl.LAYOUT.unfinished)
+                               for f in files)
+                out[v.name] = out.get(v.name, False) or done
+    return out
 
 
 @dataclass
@@ -509,8 +548,8 @@ class _Releaser:
         if status != _QUEUED:
             h.moving = now
         if status <= _RUNNING:
-            with contextlib.suppress(Exception):
-                h.compiles._compiled(h.program, h.kernel, h.copied)
+            if not h.copied:
+                h.compiles._warmed()  # it compiled: pocl's start-up is paid here
             return True
         return now - h.since > WAIT or now - h.moving > QUEUED_GRACE
 
