@@ -267,6 +267,28 @@ def test_a_forked_child_keeps_no_lock_of_its_parent(tmp_path: Path) -> None:
         os.waitpid(pid, 0)
 
 
+def test_a_cold_rank_lets_a_warm_one_compile_but_copies_at_once(tmp_path: Path, monkeypatch) -> None:
+    import fcntl
+
+    from asyncclcache.nodecopies import node_base
+
+    compiles = nodecompile.NodeCompiles(node_base(str(tmp_path)))
+    warm = os.open(compiles.base / "locks" / "warm.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(warm, fcntl.LOCK_SH)  # another process of the node has compiled (paid pocl's start-up)
+    slept: list[float] = []
+    monkeypatch.setattr(nodecompile.time, "sleep", lambda s: slept.append(s))
+    try:
+        fd = compiles._take("abc")  # nothing recorded: this one would compile, so the warm one goes first
+        assert fd is not None and slept == [nodecompile.COLD_DEFER]
+        compiles._release("abc", fd)
+        slept.clear()
+        fd = compiles._take("abc", recorded=lambda: True)  # compiled elsewhere already: a copy, no deferring
+        assert fd is not None and slept == []
+        compiles._release("abc", fd)
+    finally:
+        os.close(warm)
+
+
 def test_one_process_outside_a_launcher_hands_nothing_on(cache_dir: Path, tmp_path: Path) -> None:
     code = RECORD + "from asyncclcache import nodecompile\nprint(cache._node_compiles is None, nodecompile._real is None)\n"
     env = {k: "" for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")}

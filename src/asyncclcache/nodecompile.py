@@ -149,10 +149,12 @@ class NodeCompiles:
 
     # {{{ locks
 
-    def _take(self, stripe: str, done_elsewhere: Callable[[float], bool] | None = None) -> int | None:
+    def _take(self, stripe: str, done_elsewhere: Callable[[float], bool] | None = None,
+              recorded: Callable[[], bool] | None = None) -> int | None:
         """The stripe's lock, waited for up to :data:`WAIT`; ``None``: not held (this
         process holds it already, it cannot be made, the wait was cut, or
-        ``done_elsewhere(seconds waited)`` said to go on without it)."""
+        ``done_elsewhere(seconds waited)`` said to go on without it). ``recorded()``: another
+        rank compiled it already (this one copies: no warm rank need go first)."""
         with self._lock:
             if stripe in self._held:
                 return None
@@ -160,7 +162,7 @@ class NodeCompiles:
         fd = None
         try:
             fd = _open_lock(self.base / "locks" / f"{stripe}{LOCK_SUFFIX}")
-            if not self._warm_fd and self._warm_elsewhere():
+            if not self._warm_fd and not (recorded is not None and recorded()) and self._warm_elsewhere():
                 # A process's first compile pays pocl's start-up (its compiler and kernel
                 # library, docs/design.md F33): a rank that paid it goes first; it is on its way if it
                 # builds this program too (ranks in step), else this one goes on after it.
@@ -283,7 +285,7 @@ class NodeCompiles:
         once a node: from another rank's folder where one has built it. Returns the
         program and its folders in ``root`` (``()``: not known). Raises what the build raises."""
         stripe = _stripe(key)
-        fd = self._take(stripe)
+        fd = self._take(stripe, recorded=lambda: self._read_record(key) is not None)
         if fd is None:
             return from_source(), ()
         try:
@@ -350,7 +352,8 @@ class NodeCompiles:
         rank compiled for it copied in first, and other ranks' first launches of it waiting
         until pocl has compiled this one's. Returns what ``launch`` returns."""
         stripe = _stripe(program.key, kernel)
-        fd = self._take(stripe, lambda waited: self._done_elsewhere(program, kernel, waited))
+        fd = self._take(stripe, lambda waited: self._done_elsewhere(program, kernel, waited),
+                        lambda: self._copyable(program, kernel))
         copied = self._copy_variants(program, kernel)
         if fd is None:
             return launch()
@@ -367,6 +370,10 @@ class NodeCompiles:
         now = time.monotonic()
         _Releaser.get().add(_Held(self, stripe, fd, event, program, kernel, copied, now, now))
         return event
+
+    def _copyable(self, program: _Program, kernel: str) -> bool:
+        rec = self._read_record(program.key, kernel)
+        return rec is not None and Path(rec["root"]) != program.root
 
     def _done_elsewhere(self, program: _Program, kernel: str, waited: float) -> bool:
         """While waiting for a first launch's lock: whether to go on without it. Its holder's
