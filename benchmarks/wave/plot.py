@@ -13,21 +13,22 @@ from collections import defaultdict
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 ORDER = ["no cache", "asyncclcache cold", "asyncclcache warm, new nodes"]
 
 
 def main(src: str, png: str) -> None:
     runs: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for line in open(src):
-        if line.strip():
-            r = json.loads(line)
-            runs[r["config"]][r["R"]].append(r)
+    with open(src) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                runs[r["config"]][r["R"]].append(r)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     panels = [("to_first_step_s", "seconds to the end of the first step (slowest rank)"),
               ("cpu_s", "CPU seconds of the whole job")]
-    for ax, (field, title) in zip(axes, panels):
+    for ax, (field, title) in zip(axes, panels, strict=True):
         for config in [c for c in ORDER if c in runs] + [c for c in runs if c not in ORDER]:
             by_r = runs[config]
             rs = sorted(by_r)

@@ -13,17 +13,19 @@ is used by nothing else (the design's rule of folders, docs/design.md).
   build alone, so no user code runs under it and a rank that waits never waits on one in
   an MPI collective. The first rank builds and leaves a record (``<key>.compiled``: its
   pocl cache and the program's folder, found as a new folder of its cache that the build
-  touched, with the program's kernels; else no record). The next finds the record,
-  copies the folder's missing files into its own cache (:func:`~.drivers.cachefiles.restore`)
-  and builds: pocl finds ``program.bc`` and skips its front end. If pocl did not use the
-  copy, the copy is taken back (as a hit's restore is).
+  touched, with the program's kernels; else no record). The next finds the record, lets
+  the lock go (the node's ranks copy at once, not one after another), copies the folder's
+  missing files into its own cache (:func:`~.drivers.cachefiles.restore`) and builds: pocl
+  finds ``program.bc`` and skips its front end. If pocl did not use the copy, the copy is
+  taken back (as a hit's restore is).
 * **First launch** (pyopencl's ``enqueue_nd_range_kernel``, wrapped while this is on):
   the first launch of each kernel object of a program built here takes the node's lock of
   the program's kernel, copies that kernel's variants compiled by the rank named in its
-  record (``<key>-<kernel digest>.compiled``) into its own folder, launches, and gives the
-  lock to a thread that releases it once pocl has compiled the variant (the launch's event
+  record (``<key>-<kernel digest>.compiled``) into its own folder (then lets the lock go),
+  or records itself as the one that compiles, launches, and gives the lock to a thread that releases it once pocl has compiled the variant (the launch's event
   is running or done: pocl sets it running after the code generation). A rank that
-  launches the kernel meanwhile waits for that, then copies instead of compiling. A
+  launches the kernel meanwhile waits for that (or for pocl's files to show the variant
+  done, when the holder's thread cannot run), then copies instead of compiling. A
   launch that waits for other commands (its event stays queued) is not waited for: the
   lock is released after :data:`QUEUED_GRACE`, so a rank never waits on another rank's
   user event or MPI exchange for long.
@@ -290,26 +292,28 @@ class NodeCompiles:
             return from_source(), ()
         try:
             rec = self._read_record(key)
-            if rec is not None and Path(rec["root"]) == root:
-                # One pocl cache for the node's ranks: pocl finds the folder itself.
+            if rec is None:
+                t0 = time.time()
                 program = from_source()
-                return program, tuple(f for f in rec["folders"] if os.path.isfile(root / f / PROGRAM_FILE))
-            if rec is not None:
-                program, folders = self._build_from(rec, root, from_source)
+                t1 = time.time()
+                self._warmed()
+                folders = self._identify(root, t0, t1, kernels(program))
                 if folders:
-                    self.count("node_builds")
-                    return program, folders
-                return program, ()  # pocl did not use the copy (another pocl?): no record
-            t0 = time.time()
-            program = from_source()
-            t1 = time.time()
-            self._warmed()
-            folders = self._identify(root, t0, t1, kernels(program))
-            if folders:
-                self._write_record(key, {"root": str(root), "folders": list(folders)})
-            return program, folders
+                    self._write_record(key, {"root": str(root), "folders": list(folders)})
+                return program, folders
         finally:
+            # Built elsewhere (the record names a finished folder): the lock is not held for
+            # this rank's cached build, so the node's ranks take it one after another no longer.
             self._release(stripe, fd)
+        if Path(rec["root"]) == root:
+            # One pocl cache for the node's ranks: pocl finds the folder itself.
+            program = from_source()
+            return program, tuple(f for f in rec["folders"] if os.path.isfile(root / f / PROGRAM_FILE))
+        program, folders = self._build_from(rec, root, from_source)
+        if folders:
+            self.count("node_builds")
+            return program, folders
+        return program, ()  # pocl did not use the copy (another pocl?): no record
 
     @staticmethod
     def _build_from(rec: dict[str, Any], root: Path,
@@ -355,6 +359,10 @@ class NodeCompiles:
         fd = self._take(stripe, lambda waited: self._done_elsewhere(program, kernel, waited),
                         lambda: self._copyable(program, kernel))
         copied = self._copy_variants(program, kernel)
+        if fd is not None and copied:
+            # Another rank's variants are here: the node's next rank need not wait for this launch.
+            self._release(stripe, fd)
+            fd = None
         if fd is None:
             return launch()
         try:
