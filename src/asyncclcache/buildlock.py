@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import logging
 import os
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, insecure
-from .locks import LOCK_SUFFIX
+from .locks import LOCK_SUFFIX, wait_flock
 from .platforms import pocl
 
 if TYPE_CHECKING:
@@ -92,23 +91,6 @@ def _folder(pocl_dir: Path) -> Path | None:
         return _folders.setdefault(pocl_dir, None if why else folder)
 
 
-def _take(fd: int, deadline: float) -> bool:
-    """``flock`` ``fd``, waiting with backoff until ``deadline``; whether it is held."""
-    pause = 0.002
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return False
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 0.05)
-
-
 def lock_folder(pocl_dir: Path) -> Path:
     """The folder of the lock files of pocl's kernel cache directory ``pocl_dir``."""
     return pocl_dir.with_name(pocl_dir.name + FOLDER_SUFFIX)
@@ -136,7 +118,7 @@ def one_at_a_time(devices: Sequence[cl.Device], source: bytes, options: object) 
     try:
         flags = os.O_RDWR | os.O_CREAT | NOFOLLOW | CLOEXEC | NONBLOCK
         fd = os.open(lock_path(pocl_dir, source, options), flags, 0o600)
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or not _take(fd, time.monotonic() + WAIT):
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not wait_flock(fd, time.monotonic() + WAIT):
             if not _told:
                 _told = True
                 logger.warning("asyncclcache: another process held the build lock of a program in %s "

@@ -26,6 +26,8 @@ import fcntl
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,31 @@ def _lock(fd: int, path: Path) -> bool | None:
     except FileNotFoundError:
         current = False
     return True if current else None
+
+
+def wait_flock(fd: int, deadline: float, give_up: Callable[[float], bool] | None = None,
+               max_pause: float = 0.05) -> bool | None:
+    """``flock`` ``fd`` exclusively, polling with backoff (never a blocking ``flock``: a
+    stopped holder would hold the caller forever) until ``deadline`` (``time.monotonic``).
+    True: held; False: not by then (or ``flock`` failed); None: ``give_up(seconds waited)``
+    said to stop waiting. For lock files that are never removed (no inode check)."""
+    pause = 0.002
+    start = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in _HELD:
+                return False
+        now = time.monotonic()
+        if give_up is not None and give_up(now - start):
+            return None
+        left = deadline - now
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, max_pause)
 
 
 def take(key: str, lock_path: Path) -> Claim | None:

@@ -46,13 +46,15 @@ from .shared import PRUNE_LOCK, UPKEEP_FILE
 from .system import pid_alive
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     from .fileio import StoredEntry
     from .nodecopies import NodeStorage
     from .store import Store
 
     #: What is kept in order here: a cache directory's store, or the node's copies of
     #: entries (fan-out trees of the same temp, lock and prune-lock names).
-    Tree = Store | NodeStorage
+    Tree: TypeAlias = Store | NodeStorage
 
 __all__ = [
     "TEMP_MAX_AGE", "UPKEEP_INTERVAL", "PruneResult", "Upkept", "clear", "last_upkeep", "orphans", "prune",

@@ -22,8 +22,9 @@ is used by nothing else (the design's rule of folders, docs/design.md).
   the first launch of each kernel object of a program built here takes the node's lock of
   the program's kernel, copies that kernel's variants compiled by the rank named in its
   record (``<key>-<kernel digest>.compiled``) into its own folder (then lets the lock go),
-  or records itself as the one that compiles, launches, and gives the lock to a thread that releases it once pocl has compiled the variant (the launch's event
-  is running or done: pocl sets it running after the code generation). A rank that
+  or records itself as the one that compiles, launches, and gives the lock to a thread
+  that releases it once pocl has compiled the variant (the launch's event is running or
+  done: pocl sets it running after the code generation). A rank that
   launches the kernel meanwhile waits for that (or for pocl's files to show the variant
   done, when the holder's thread cannot run), then copies instead of compiling. A
   launch that waits for other commands (its event stays queued) is not waited for: the
@@ -68,7 +69,7 @@ from .drivers.cachefiles import restore, unrestore
 from .drivers.folders import candidates, folder_files, mark, moved, narrow, valid_file
 from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, atomic_write, insecure, make_private_dir
 from .fsclock import clock_for
-from .locks import LOCK_SUFFIX
+from .locks import LOCK_SUFFIX, wait_flock
 from .platforms import pocl
 from .platforms.pocl import PROGRAM_FILE
 
@@ -169,7 +170,7 @@ class NodeCompiles:
                 # library, docs/design.md F33): a rank that paid it goes first; it is on its way if it
                 # builds this program too (ranks in step), else this one goes on after it.
                 time.sleep(COLD_DEFER)
-            got = _flock(fd, time.monotonic() + WAIT, done_elsewhere)
+            got = wait_flock(fd, time.monotonic() + WAIT, done_elsewhere, max_pause=0.02)
             if got:
                 with self._lock:
                     self._held[stripe] = fd
@@ -443,28 +444,6 @@ def _open_lock(path: Path) -> int:
         os.close(fd)
         raise OSError(errno.EINVAL, f"{path} is not a regular file")
     return fd
-
-
-def _flock(fd: int, deadline: float, done_elsewhere: Callable[[float], bool] | None = None) -> bool | None:
-    """``flock`` ``fd``, waiting with backoff until ``deadline``; whether it is held
-    (``None``: ``done_elsewhere(seconds waited)`` said to stop waiting)."""
-    pause = 0.002
-    start = time.monotonic()
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return False
-        now = time.monotonic()
-        if done_elsewhere is not None and done_elsewhere(now - start):
-            return None
-        left = deadline - now
-        if left <= 0:
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 0.02)
 
 
 def _variants(root: Path, folders: Sequence[str], kernel: str) -> dict[str, bool]:

@@ -317,7 +317,7 @@ class Pipeline:
             due = seen.due
         else:
             due = False  # read once a process: a long run is kept by the next process's read
-        over = bool(self.max_size) and (seen.bytes is None or seen.bytes + wrote > self.max_size)
+        over = bool(self.max_size) and (seen.bytes is None or seen.bytes + wrote > (self.max_size or 0))
         if not (due or over):
             return
         result = maintenance.upkeep(self.store, max_size=self.max_size, seen=seen, wrote=wrote)
