@@ -112,7 +112,9 @@ class Runner:
         """A new node: empty driver kernel caches and an empty pyopencl invoker cache."""
         d = self.fresh("node")
         return {"POCL_CACHE_DIR": f"{d}/pocl", "CUDA_CACHE_PATH": f"{d}/cuda",
-                "MESA_SHADER_CACHE_DIR": f"{d}/mesa", "XDG_CACHE_HOME": f"{d}/xdg"}
+                "MESA_SHADER_CACHE_DIR": f"{d}/mesa", "XDG_CACHE_HOME": f"{d}/xdg",
+                # the node's own storage (copies, compile records), not the machine's /tmp one
+                "ASYNCCLCACHE_NODE_DIR": f"{d}/nodelocal"}
 
     def env(self, variant: str | None, node: dict[str, str] | None = None,
             **extra: str) -> dict[str, str]:
@@ -512,6 +514,7 @@ def measure_ranks(runner: Runner, ranks: list[int], variants: list[str], n: int,
                     if phase == "warm" and v == "nocache":
                         continue
                     start_at = time.time() + 1.5 + 0.25 * R
+                    node_dir = runner.fresh("nodelocal")  # the job's ranks: one node
                     specs = []
                     for r in range(R):
                         spec: dict[str, Any] = {
@@ -520,7 +523,7 @@ def measure_ranks(runner: Runner, ranks: list[int], variants: list[str], n: int,
                             "acc_dir": acc_dir, "pyopencl_dir": cl_dirs[r]}
                         node = nodes[r] if phase == "cold" or v == "default" else None
                         specs.append(dict(spec, _env=runner.env(
-                            v, node, PMI_RANK=str(r), PMI_SIZE=str(R),
+                            v, node, PMI_RANK=str(r), PMI_SIZE=str(R), ASYNCCLCACHE_NODE_DIR=node_dir,
                             POCL_MAX_PTHREAD_COUNT=str(threads))))
                     rs = runner.run(specs, timeout=900)
                     firsts = [r.get("first_result_s") for r in rs]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncclcache import nodecompile
+from asyncclcache import nodecompile, nodecopies
 from conftest import ROOT, child_json, run_child
 
 pytestmark = pytest.mark.slow
@@ -144,7 +144,7 @@ def _hold(lock: Path) -> subprocess.Popen[str]:
 
 
 def _stripe_lock(tmp: Path) -> Path:
-    node = tmp / "node" / f"asyncclcache-{os.getuid()}" / nodecompile.COMPILES
+    node = tmp / "node" / f"asyncclcache-{os.getuid()}" / nodecopies.COMPILES
     return node / "locks" / "abc.lock"
 
 
@@ -211,13 +211,13 @@ def test_a_record_of_another_program_never_changes_what_runs(cache_dir: Path, tm
     assert first["values"] == [5.0]
     # A record for our program's key that names the other program's folder (a damaged or
     # planted record): its files go where pocl looks for that other program only.
-    node = tmp_path / "node" / f"asyncclcache-{os.getuid()}" / nodecompile.COMPILES
+    node = tmp_path / "node" / f"asyncclcache-{os.getuid()}" / nodecopies.COMPILES
     probe = child_json(run_child(RECORD, str(tmp_path / "acc-probe"), SOURCE, pocl_cache=tmp_path / "pocl-p",
                                  env={"ASYNCCLCACHE_NODE_COMPILE": "0"}))
     key = probe["key"]
-    theirs = json.loads((node / first["key"][:2] / f"{first['key']}{nodecompile.RECORD_SUFFIX}").read_text())
+    theirs = json.loads((node / first["key"][:2] / f"{first['key']}{nodecopies.RECORD_SUFFIX}").read_text())
     (node / key[:2]).mkdir(mode=0o700, exist_ok=True)
-    (node / key[:2] / f"{key}{nodecompile.RECORD_SUFFIX}").write_text(json.dumps(theirs))
+    (node / key[:2] / f"{key}{nodecopies.RECORD_SUFFIX}").write_text(json.dumps(theirs))
     ours = child_json(run_child(RECORD, str(cache_dir), SOURCE, pocl_cache=tmp_path / "pocl-b", env=env))
     assert ours["values"] == [3.0]
     assert ours["node_builds"] == 0  # pocl did not use the copy: taken back

@@ -19,6 +19,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,6 +267,31 @@ def read_small(path: Path, limit: int) -> bytes | None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_own(path: Path, *, limit: int | None = None, fresh_for: float | None = None) -> bytes | None:
+    """The bytes of our own regular file at ``path`` (no link followed, never blocking on a
+    FIFO; another user's or a group-writable file is not read); with ``limit``, only a file
+    of at most that many bytes; with ``fresh_for``, only one written less than that many
+    seconds ago (this host's clock against this host's file). ``None`` otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or insecure(st) is not None:
+            return None
+        if limit is not None and st.st_size > limit:
+            return None
+        if fresh_for is not None and not 0 <= time.time() - st.st_mtime < fresh_for:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read() if limit is None else f.read(limit)
     except OSError:
         return None
     finally:

@@ -43,7 +43,7 @@ Layout, in node-local storage (:class:`~.nodecopies.NodePlace`)::
         <key[:2]>/<key>.compiled              {"root": a pocl cache, "folders": [...]}
         <key[:2]>/<key>-<kernel>.compiled     {"root": the cache that compiled a variant}
 
-Records are scratch (the sweep removes those older than :data:`RECORD_FOR`). Thread- and
+Records are scratch (the sweep removes those older than :data:`.nodecopies.RECORD_FOR`). Thread- and
 process-safe: ranks of one job, and jobs of one user on one node, share it.
 """
 
@@ -63,26 +63,21 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .drivers.cachefiles import restore, unrestore
 from .drivers.folders import candidates, folder_files, mark, moved, narrow, valid_file
-from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, atomic_write, insecure, make_private_dir
+from .fileio import CLOEXEC, NOFOLLOW, NONBLOCK, atomic_write, make_private_dir, read_own
 from .fsclock import clock_for
 from .locks import LOCK_SUFFIX, wait_flock
+from .nodecopies import COMPILES, RECORD_SUFFIX, NodePlace
 from .platforms import pocl
 from .platforms.pocl import PROGRAM_FILE
 
-if TYPE_CHECKING:
-    from .nodecopies import NodePlace
-
-__all__ = ["COMPILES", "RECORD_FOR", "RECORD_SUFFIX", "STRIPES", "WAIT", "NodeCompiles"]
+__all__ = ["STRIPES", "WAIT", "NodeCompiles"]
 
 logger = logging.getLogger(__name__)
 
-#: The folder of this module's files in the node's storage.
-COMPILES = "compiles"
-RECORD_SUFFIX = ".compiled"
 #: Lock files at most (keys and kernels whose digests share three hex digits wait for each
 #: other: a wait, never a wrong result).
 STRIPES = 4096
@@ -97,8 +92,6 @@ SILENT_WAIT = 2.0
 #: Seconds a process that never compiled lets a warm one of the node go first (pocl's
 #: start-up, about 0.75 s a process on pocl 3.1, is then paid once a node, not once a rank).
 COLD_DEFER = 0.05
-#: Records older than this are swept (the pocl caches they name may be gone).
-RECORD_FOR = 3600.0
 _POLL = 0.005
 _MAX_RECORD = 4096
 
@@ -249,20 +242,11 @@ class NodeCompiles:
         return self.base / key[:2] / f"{name}{RECORD_SUFFIX}"
 
     def _read_record(self, key: str, kernel: str | None = None) -> dict[str, Any] | None:
-        path = self._record_path(key, kernel)
+        raw = read_own(self._record_path(key, kernel), limit=_MAX_RECORD)
         try:
-            fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
-        except OSError:
+            rec = json.loads(raw) if raw is not None else None
+        except ValueError:
             return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or insecure(st) is not None or st.st_size > _MAX_RECORD:
-                return None
-            rec = json.loads(os.read(fd, _MAX_RECORD))
-        except (OSError, ValueError):
-            return None
-        finally:
-            os.close(fd)
         if not (isinstance(rec, dict) and isinstance(rec.get("root"), str) and os.path.isabs(rec["root"])):
             return None
         folders = rec.get("folders", [])

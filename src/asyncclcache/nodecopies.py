@@ -59,9 +59,6 @@ from .config import DEFAULT_NODE_MAX_BYTES
 from .entry import EntryFormatError
 from .errors import NodeDirWarning
 from .fileio import (
-    CLOEXEC,
-    NOFOLLOW,
-    NONBLOCK,
     StoredEntry,
     atomic_write,
     fanout_files,
@@ -69,9 +66,9 @@ from .fileio import (
     insecure,
     listed,
     make_private_dir,
+    read_own,
 )
 from .locks import LOCK_SUFFIX, Claim, take
-from .nodecompile import COMPILES, RECORD_FOR, RECORD_SUFFIX
 from .shared import ReadResult, SharedDir, Stamp, check_data, stamp_of
 
 __all__ = ["NodeCopies", "NodePlace", "NodeStorage", "node_base"]
@@ -99,6 +96,11 @@ ROOT_DIGITS = 16
 #: directory; older records are swept at exit.
 SEEN_SUFFIX = ".seen"
 SEEN_FOR = 60.0
+#: The folder of :mod:`.nodecompile`'s records in the node's storage, their suffix, and how
+#: long they are kept (seconds; the pocl caches they name may be gone after that).
+COMPILES = "compiles"
+RECORD_SUFFIX = ".compiled"
+RECORD_FOR = 3600.0
 #: Between a key and the lock suffix: the node's claim to write the key (:meth:`NodeCopies.write_claim`).
 WRITE_CLAIM = "-write"
 
@@ -297,7 +299,7 @@ class NodeCopies:
 
     def _seen(self, key: str) -> Stamp | None:
         """The stamp a process of the node saw of the shared entry within :data:`SEEN_FOR`."""
-        data = self._read_own(self._seen_path(key), fresh_for=SEEN_FOR)
+        data = read_own(self._seen_path(key), fresh_for=SEEN_FOR)
         fields = [] if data is None else data.split()
         if len(fields) != 4 or not all(f.isdigit() for f in fields):
             return None
@@ -341,7 +343,7 @@ class NodeCopies:
         if not self.enabled:
             return None
         path = self._copy_path(key, stamp)
-        data = self._read_own(path)
+        data = read_own(path)
         if data is not None:
             # Its atime: the node's LRU (prune). Its mtime stays when the node last marked the
             # shared entry used (:meth:`shared_use_due`).
@@ -400,28 +402,6 @@ class NodeCopies:
         logger.info("dropping damaged node-local copy of %s: %s", key[:12], why)
         with contextlib.suppress(OSError):
             os.unlink(self._copy_path(key, stamp))
-
-    @staticmethod
-    def _read_own(path: Path, fresh_for: float | None = None) -> bytes | None:
-        """The bytes of our own regular file at ``path`` (no link followed, never blocking on
-        a FIFO); with ``fresh_for``, only where it was written less than that many seconds
-        ago (this host's clock against this host's file). ``None`` otherwise."""
-        try:
-            fd = os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or insecure(st) is not None:
-                return None
-            if fresh_for is not None and not 0 <= time.time() - st.st_mtime < fresh_for:
-                return None
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read()
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
 
     # }}}
 
