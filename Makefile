@@ -17,7 +17,7 @@ test:
 	$(PY) -m pytest -q
 
 bench:
-	@scripts/setup.sh plot
+	@scripts/setup.sh bench
 	$(PY) -m asyncclcache bench
 
 lint:

@@ -505,8 +505,13 @@ def render(R: dict[str, Any], plots: list[str]) -> str:
     if R.get("suite"):
         import suite
 
-        md += ["## A test suite in CI", "", suite.__doc__.split("\n\n", 1)[1].strip(), "",
+        md += ["## A test suite in CI (synthetic proxy)", "", suite.__doc__.split("\n\n", 1)[1].strip(), "",
                suite.table_md(R["suite"]), ""]
+    if R.get("cisuite"):
+        import cisuite
+
+        md += ["## CI on a real suite: pyopencl's own tests", "", cisuite.__doc__.split("\n\n", 1)[1].strip(),
+               "", cisuite.table_md(R["cisuite"]), ""]
     md += ["Columns: " + "; ".join(f"**{HEAD[v]}**: {LEGEND[v]}"
                                    for v in VARIANTS if v in used or (v == "acc-shared" and rt))
            + ".", ""]

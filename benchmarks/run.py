@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+NODE_RANKS = [4, 16, 64]
 REPO = HERE.parent
 CHILD = HERE / "child.py"
 
@@ -46,7 +47,36 @@ import report  # noqa: E402
 VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-thread"]
 QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked"]
 RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
-SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpocl", "suite"]
+SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpocl", "suite", "cisuite"]
+
+#: Seconds each section took on 2 cores (pocl 3.1): (quick, full at 3 repetitions). What the
+#: bench announces before it starts, where this --out has no earlier run of its own
+#: (report.json's "section_s", which it prefers).
+SECTION_S = {"seed": (60, 240), "multi": (0, 300), "stall": (25, 120), "throughput": (40, 300),
+             "ranks": (25, 270), "nodes": (35, 900), "sharedpocl": (40, 300), "suite": (35, 200),
+             "cisuite": (60, 1500)}
+#: Sections whose full length grows with --reps (the others cap their repetitions).
+_BY_REPS = {"seed", "multi", "sharedpocl", "suite", "cisuite"}
+
+
+def estimate(sections: list[str], quick: bool, reps: int, out: Path) -> tuple[float, str]:
+    """Seconds the run will take, and where the figure comes from."""
+    last: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        prev = json.loads((out / "report.json").read_text())
+        if prev.get("args", {}).get("quick") == quick and isinstance(prev.get("section_s"), dict):
+            last = {k: (v, prev["args"].get("reps", 3)) for k, v in prev["section_s"].items()}
+    total, mine = 0.0, 0
+    for sec in sections:
+        if sec in last:
+            seconds, their_reps = last[sec]
+            mine += 1
+        else:
+            seconds, their_reps = SECTION_S[sec][0 if quick else 1], 1 if quick else 3
+        total += seconds * (reps / max(1, their_reps) if sec in _BY_REPS and not quick else 1)
+    where = ("this machine's last run" if mine == len(sections) else
+             "2-core figures" if not mine else "this machine's last run and 2-core figures")
+    return total, where
 
 
 class Progress:
@@ -56,9 +86,17 @@ class Progress:
         self.t0 = time.perf_counter()
         self.sections = sections
         self.current = ""
+        self.seconds: dict[str, float] = {}  # each section's, so far
+        self._since = self.t0
 
     def section(self, name: str) -> None:
-        self.current = name
+        """``name`` starts (or, the current one again: its seconds are brought up to date)."""
+        now = time.perf_counter()
+        if name != self.current:
+            self._since = now
+            self.current = name
+        if name:
+            self.seconds[name] = round(now - self._since, 1)
 
     def __call__(self, msg: str) -> None:
         el = int(time.perf_counter() - self.t0)
@@ -575,8 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default=None,
                     help="rank counts, e.g. 1,4,8,16 (default: 1, powers of two from 4, "
                          "and the number of cores)")
-    ap.add_argument("--node-ranks", default="4,16,64", type=lambda t: [int(x) for x in t.split(",")],
-                    help="nodes section: rank counts (default 4,16,64; 8 ranks a simulated node)")
+    ap.add_argument("--node-ranks", default=NODE_RANKS, type=lambda t: [int(x) for x in t.split(",")],
+                    help="nodes section: rank counts (default 4,16,64, quick 4; 8 ranks a simulated node)")
     ap.add_argument("--fill", type=int, default=1000,
                     help="nodes section: other entries in the shared directory first (default 1000)")
     ap.add_argument("--ranks-per-node", type=int, default=None,
@@ -609,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--ranks: at least 1 rank")
     if args.quick:
         only = [s for s in only if s != "multi"]
+        if args.node_ranks == NODE_RANKS:
+            args.node_ranks = [4]  # 16 and 64 ranks on a small machine: most of a quick run
     keep_variants = None
     if args.variants:
         keep_variants = args.variants.split(",")
@@ -635,10 +675,15 @@ def main(argv: list[str] | None = None) -> int:
         "variants_used": [],
     }
     t_start = time.perf_counter()
+    seconds, where = estimate(sections, args.quick, reps, out)
+    print(f"bench: {', '.join(sections)}: about {max(1, round(seconds / 60))} min ({where}; "
+          "a machine with more cores takes less, a loaded one more)", flush=True)
+    R["section_s"] = log.seconds  # what the next run's announcement takes (estimate())
 
     def save(section: str | None = None, value: Any = None) -> None:
         if section:
             R[section] = value
+        log.section(log.current)  # its seconds so far
         R["duration_s"] = time.perf_counter() - t_start
         report.write(out, R, plots=False)  # the numbers so far; plots once, at the end
 
@@ -718,10 +763,19 @@ def main(argv: list[str] | None = None) -> int:
 
             use(["nocache", "acc"])
             R["suite"] = suite.measure_suite(runner, reps, log, lambda res: save("suite", res),
-                                             programs=args.suite_programs)
+                                             programs=args.suite_programs if not args.quick else 20)
+        if "cisuite" in sections:
+            log.section("cisuite")
+            import cisuite
+
+            use(["nocache", "acc"])
+            R["cisuite"] = cisuite.measure_cisuite(runner, reps, log, lambda res: save("cisuite", res),
+                                                   quick=args.quick)
+            save("cisuite", R["cisuite"])
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", flush=True)
     finally:
+        log.section(log.current)
         if "machine" in R:
             R["machine"]["loadavg_end"] = os.getloadavg()
             R["duration_s"] = time.perf_counter() - t_start

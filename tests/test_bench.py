@@ -255,3 +255,36 @@ def test_sharedpocl_jobs_build_in_one_pocl_cache_and_report_their_failures(tmp_p
     assert "acc-own-barrier" not in md  # its base, nocache-own-barrier, was not run
     # The barrier: each rank waited for the other's build of each program.
     assert sorted(p.name for p in (tmp_path / "work").glob("*barrier*/*")) == ["0-0", "0-1", "1-0", "1-1"]
+
+
+def run_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_a_run_says_how_long_it_will_take_and_records_each_section(quick_run: tuple[Path, Any]) -> None:
+    out, r = quick_run
+    assert r.returncode == 0, r.stdout[-3000:]
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("bench: seed, ranks, nodes: about ") and " min (" in first, first
+    took = json.loads((out / "report.json").read_text())["section_s"]
+    assert set(took) == {"seed", "ranks", "nodes"} and all(s > 0 for s in took.values()), took
+
+
+def test_the_announced_length_is_this_machines_last_run_where_there_is_one(tmp_path: Path) -> None:
+    run = run_module()
+    quick = sum(run.SECTION_S[s][0] for s in ("seed", "suite"))
+    assert run.estimate(["seed", "suite"], True, 1, tmp_path) == (quick, "2-core figures")
+    full = run.estimate(["seed"], False, 6, tmp_path)[0]
+    assert full == 2 * run.SECTION_S["seed"][1]  # grows with the repetitions
+    (tmp_path / "report.json").write_text(json.dumps(
+        {"args": {"quick": True, "reps": 1}, "section_s": {"seed": 7.0, "suite": 11.0}}))
+    assert run.estimate(["seed", "suite"], True, 1, tmp_path) == (18.0, "this machine's last run")
+    mixed = run.estimate(["seed", "stall"], True, 1, tmp_path)
+    assert mixed == (7.0 + run.SECTION_S["stall"][0], "this machine's last run and 2-core figures")
+    # A full run is not announced from a quick one's seconds.
+    assert run.estimate(["seed"], False, 3, tmp_path) == (run.SECTION_S["seed"][1], "2-core figures")

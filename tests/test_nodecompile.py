@@ -236,6 +236,8 @@ def test_a_damaged_record_is_ignored(cache_dir: Path, tmp_path: Path, junk: byte
     assert compiles._read_record("ab" + "0" * 62) is None
 
 
+# The child only sleeps and exits: the pytest process's threads cannot deadlock it.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_keeps_no_lock_of_its_parent(tmp_path: Path) -> None:
     import fcntl
 
