@@ -285,6 +285,74 @@ def test_include_spellings_are_recognised(line: bytes, inc: Path) -> None:
     assert [os.path.basename(d.path) for d in deps] == ["hdr.h"]
 
 
+# A C++-only branch (OpenCL C leaves __cplusplus undefined): its includes are none, unless
+# the options may make it C++ or the code defines __cplusplus.
+@pytest.mark.parametrize("text", [
+    b'#ifdef __cplusplus\n#include <stdexcept>\n#endif\n',
+    b'#  if defined( __cplusplus )\n#include <stdexcept>\n#endif\n',
+    b'#if defined __cplusplus\n#include <stdexcept>\n#endif\n',
+    b'#if __cplusplus\n#include <stdexcept>\n#endif\n',
+    b'#ifndef __cplusplus\n#define M 1\n#else\n#if X\n#include <stdexcept>\n#endif\n#include <algorithm>\n#endif\n',
+    b'#if !defined(__cplusplus)\n#define M 1\n#else /* C++ */\n#include <stdexcept>\n#endif\n',
+])
+def test_an_include_only_cplusplus_compiles_is_none(text: bytes, inc: Path) -> None:
+    (inc / "hdr.h").write_text("#define SCALE 2.0f\n")
+    source = text + b'#include "hdr.h"\n' + SOURCE
+    deps = find_include_deps(source, [str(inc)], cxx=False)
+    assert [os.path.basename(d.path) for d in deps] == ["hdr.h"]
+    with pytest.raises(UncertainIncludes):  # compiled as C++ it would be looked for
+        find_include_deps(source, [str(inc)], cxx=True)
+
+
+@pytest.mark.parametrize("text", [
+    b'#ifdef __cplusplus\n#define M 1\n#else\n#include <stdexcept>\n#endif\n',  # the C branch
+    b'#ifndef __cplusplus\n#include <stdexcept>\n#endif\n',
+    b'#ifdef __cplusplus\n#elif 1\n#include <stdexcept>\n#endif\n',  # the #elif is compiled
+    b'#if defined(__cplusplus) || 1\n#include <stdexcept>\n#endif\n',  # a condition not told
+    b'#if __cplusplus >= 201103L\n#include <stdexcept>\n#endif\n',
+    b'#ifdef __cplusplusX\n#include <stdexcept>\n#endif\n',
+    b'#define __cplusplus 1\n#ifdef __cplusplus\n#include <stdexcept>\n#endif\n',  # defined by the code
+    b'#ifdef __cplusplus\n#include <stdexcept>\n',  # unbalanced: clang refuses it, we skip nothing
+    b'#ifdef __cplusplus\n#endif\n#endif\n#include <stdexcept>\n',
+    b'#ifdef __cplusplus\n#ifdef X\n#endif\n#endif\n#include <stdexcept>\n',  # after the branch
+])
+def test_an_include_c_may_compile_counts(text: bytes, inc: Path) -> None:
+    with pytest.raises(UncertainIncludes, match="stdexcept"):
+        find_include_deps(text + SOURCE, [str(inc)], cxx=False)
+
+
+def test_a_cplusplus_branch_is_skipped_only_where_the_options_cannot_make_it_cplusplus(
+        cl_ctx: Any, inc: Path) -> None:
+    source = b'#ifdef __cplusplus\n#include <stdexcept>\n#endif\n' + SOURCE
+    assert make_key(source, OPTIONS, cl_ctx.devices, [str(inc)]).uncertain is None
+    for options in (b"-cl-std=CLC++", b"-cl-std=clc++2021", b"-D__cplusplus=201703L", b"-D __cplusplus"):
+        info = make_key(source, options, cl_ctx.devices, [str(inc)])
+        assert info.uncertain is not None and "stdexcept" in info.uncertain, options
+
+
+def test_pyopencl_random123_programs_are_cached(cl_ctx: Any, cache_dir: Path) -> None:
+    """pyopencl's philox generator includes C++'s <stdexcept> under #ifdef __cplusplus:
+    cached, and a hit in a new process gives the same numbers."""
+    code = r"""
+import json, sys
+import numpy as np, pyopencl as cl, pyopencl.array as cla, pyopencl.clrandom as clr
+import asyncclcache as acc
+from _pocl import pocl_context
+cache = acc.Cache(sys.argv[1]); acc.install(cache)
+ctx = pocl_context(); q = cl.CommandQueue(ctx)
+gen = clr.PhiloxGenerator(ctx, seed=12)
+x = gen.uniform(q, 64, np.float32).get()
+cache.flush(120)
+s = cache.stats()
+print(json.dumps({"x": x.tolist(), "hits": s.hits, "misses": s.misses, "uncacheable": s.uncacheable}))
+"""
+    first = child_json(run_child(code, str(cache_dir)))
+    second = child_json(run_child(code, str(cache_dir)))
+    assert first["uncacheable"] == 0 and first["misses"] >= 1, first
+    assert second["hits"] >= 1 and second["misses"] == 0 and second["uncacheable"] == 0, second
+    assert second["x"] == first["x"]
+
+
 def test_commented_out_include_is_not_one() -> None:
     assert scan_includes(b'// #include "a.h"\n/*\n#include "b.h"\n*/\nint x;') == ((), False)
     assert scan_includes(b'char *s = "//"; \n#include "c.h"\n') == ((b"c.h",), False)

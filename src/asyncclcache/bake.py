@@ -226,8 +226,8 @@ class _Worker:
         """Why this process, in the folder it builds in (``where`` says which), would not
         compute ``entry``'s key (a header changed or resolves to another file, another
         pyopencl or pocl setting), or ``None``."""
-        from . import _pyopencl
-        from .keys import UncertainIncludes, find_include_deps, key_of
+        from . import _pyopencl, system
+        from .keys import UncertainIncludes, find_include_deps, key_of, may_be_cxx
 
         source = entry.meta.source.encode("utf-8", "surrogateescape")  # type: ignore[union-attr]
         if hashlib.sha256(source).hexdigest() != entry.meta.source_sha256:
@@ -250,7 +250,8 @@ class _Worker:
         folder = pocl.source_dir()
         try:
             deps = find_include_deps(source, _pyopencl.include_path(options),
-                                     source_dir=None if folder is None else os.path.realpath(folder))
+                                     source_dir=None if folder is None else os.path.realpath(folder),
+                                     cxx=may_be_cxx(options, *platforms.extra_options(system.process_environ())))
         except UncertainIncludes:
             return f"{where}, a header it includes is not found for certain"
         if [[d.path, d.sha256] for d in deps] != entry.meta.includes:

@@ -20,7 +20,12 @@ Includes are resolved by one rule, clang's, or the program is uncacheable:
   ``\r`` are ``\n``; line splices (backslash, optional spaces or tabs, line end; also
   the trigraph ``??/``) are removed; comments are whitespace (``/* */ #include`` is an
   include), a commented-out or quoted include is none; ``%:`` and ``??=`` are ``#``.
-  ``#if`` is not evaluated: an include in a skipped branch has to be found too.
+  ``#if`` is not evaluated: an include in a skipped branch has to be found too, but for
+  a branch only C++ compiles (``#ifdef __cplusplus``, ``#if defined(__cplusplus)``, the
+  ``#else`` of ``#ifndef __cplusplus``): OpenCL C leaves ``__cplusplus`` undefined, so
+  where the options cannot make it C++ (:func:`may_be_cxx`) and the code does not
+  ``#define`` it, such a branch's includes are none (pyopencl's random123 headers include
+  C++'s ``<stdexcept>`` there).
 * ``#include "x"``: the including file's own folder first (for the source itself, the
   folder of the file the compiler compiles: pocl's cache directory, where pocl writes
   its copy of the source), then the include path in order (``.`` and every ``-I``
@@ -76,6 +81,7 @@ __all__ = [
     "host_cpu_features",
     "key_of",
     "make_key",
+    "may_be_cxx",
     "scan_includes",
     "settings_of",
 ]
@@ -122,12 +128,29 @@ _UNKEYABLE_RE = re.compile(rb"__(?:has_include|has_embed|DATE__|TIME__|TIMESTAMP
 _UNSUPPORTED = frozenset({b"include_next", b"import", b"embed"})
 
 
+# A condition that holds exactly where __cplusplus is defined (`__cplusplus`, `defined
+# __cplusplus`, `defined(__cplusplus)`), or, with "!", where it is not. OpenCL C leaves it
+# undefined: such a branch is C++ only, and never compiled (pyopencl's random123 headers
+# include C++'s <stdexcept> there).
+_CXX_COND_RE = re.compile(
+    rb"^" + _SPACE + rb"(!?)" + _SPACE + rb"(?:defined" + _SPACE + rb"(?:\(" + _SPACE + rb"__cplusplus" + _SPACE
+    + rb"\)|(?<![A-Za-z0-9_])__cplusplus)|__cplusplus)" + _SPACE + rb"$"
+)
+_CXX_NAME_RE = re.compile(rb"^" + _SPACE + rb"__cplusplus" + _SPACE + rb"$")
+_CXX_DEFINE_RE = re.compile(rb"^" + _SPACE + rb"__cplusplus(?![A-Za-z0-9_])")
+_CONDITIONALS = frozenset({b"if", b"ifdef", b"ifndef"})
+_ELSE_IFS = frozenset({b"elif", b"elifdef", b"elifndef"})
+
+
 @dataclass(frozen=True)
 class _Scan:
     #: ``(quoted, name)`` of every ``#include``, in order: quoted for ``"name"``.
     names: tuple[tuple[bool, bytes], ...]
     #: Why the includes cannot be known for certain, or ``None``.
     uncertain: str | None
+    #: ``names`` less those in a branch that only C++ compiles (``#ifdef __cplusplus``), or
+    #: ``None`` where that cannot be told for certain (then every name counts).
+    c_names: tuple[tuple[bool, bytes], ...] | None = None
 
 
 def _comment_to_marker(m: re.Match[bytes]) -> bytes:
@@ -145,6 +168,10 @@ def _scan_one(text: bytes) -> _Scan:
     if odd is not None:
         return _Scan((), f"{odd.group(0).decode()} (the code depends on more than file contents)")
     names: list[tuple[bool, bytes]] = []
+    c_names: list[tuple[bool, bytes]] | None = []
+    # The open conditionals: whether the branch now read is C++ only (True), and whether the
+    # one after an #else would be ("other": a condition not told, every branch counts).
+    stack: list[tuple[bool, bool | None]] = []
     for m in _DIRECTIVE_RE.finditer(code):
         directive, rest = m.group(1), m.group(2)
         if directive in _UNSUPPORTED:
@@ -152,6 +179,25 @@ def _scan_one(text: bytes) -> _Scan:
         if directive in (b"error", b"warning") and _MULTI_LINE in rest:
             # clang reads this line raw: a "/*" on it starts no comment, unless #if skips it.
             return _Scan((), f"#{directive.decode()} with an unclosed /* comment")
+        if directive in _CONDITIONALS:
+            if directive == b"if":
+                cond = _CXX_COND_RE.match(rest)
+                only_cxx = cond is not None and not cond.group(1)
+            else:
+                cond = _CXX_NAME_RE.match(rest)
+                only_cxx = directive == b"ifdef"
+            stack.append((False, None) if cond is None else (only_cxx, not only_cxx))
+        elif directive in _ELSE_IFS and stack:
+            stack[-1] = (False, None)  # the rest of this conditional counts
+        elif directive == b"else" and stack:
+            stack[-1] = (bool(stack[-1][1]), None)
+        elif directive == b"endif":
+            if not stack:
+                c_names = None  # unbalanced: clang refuses it; nothing is skipped
+            else:
+                stack.pop()
+        elif directive in (b"define", b"undef") and _CXX_DEFINE_RE.match(rest):
+            c_names = None  # __cplusplus defined by the code: no branch is known skipped
         if directive != b"include":
             continue
         h = _HEADER_RE.match(rest)
@@ -161,7 +207,11 @@ def _scan_one(text: bytes) -> _Scan:
             what = rest.strip(b" \t\x01\x02")[:60].decode("utf-8", "replace")
             return _Scan((), f"an #include that is not a plain literal file name ({what!r})")
         names.append((quoted, name))
-    return _Scan(tuple(names), None)
+        if c_names is not None and not any(skipped for skipped, _ in stack):
+            c_names.append((quoted, name))
+    if stack:
+        c_names = None  # unbalanced
+    return _Scan(tuple(names), None, None if c_names is None else tuple(c_names))
 
 
 def _scan(text: bytes) -> _Scan:
@@ -173,7 +223,10 @@ def _scan(text: bytes) -> _Scan:
     replaced = _scan_one(_TRIGRAPH_RE.sub(lambda m: _TRIGRAPHS[m.group(1)], text))
     if replaced.uncertain is not None:
         return replaced
-    return _Scan(tuple(dict.fromkeys(plain.names + replaced.names)), None)
+    c_names = None
+    if plain.c_names is not None and replaced.c_names is not None:
+        c_names = tuple(dict.fromkeys(plain.c_names + replaced.c_names))
+    return _Scan(tuple(dict.fromkeys(plain.names + replaced.names)), None, c_names)
 
 
 def scan_includes(text: bytes) -> tuple[tuple[bytes, ...], bool]:
@@ -366,7 +419,7 @@ class UncertainIncludes(Exception):
 
 def find_include_deps(
     source: bytes | _Scan, include_path: Sequence[str], *, source_dir: str | None = None,
-    source_dir_doubt: str | None = None,
+    source_dir_doubt: str | None = None, cxx: bool = True,
 ) -> tuple[IncludeDep, ...]:
     """Every file ``source`` includes, recursively, resolved as clang resolves it.
 
@@ -374,6 +427,10 @@ def find_include_deps(
     ``source_dir``, where the compiler keeps the file it compiles; ``None``: none), then
     ``include_path`` in order. ``#include <name>``: ``include_path`` only. The first
     regular file found is the one hashed, whatever a later folder holds.
+
+    ``cxx``: whether the compile may define ``__cplusplus`` (C++ for OpenCL, or an option
+    that defines it); where not, an include in a branch only C++ compiles (``#ifdef
+    __cplusplus``) is none.
 
     ``source_dir_doubt``: where it is not certain that the compiler, or the driver's own
     cache, takes a header from ``source_dir`` (rusticl, a driver not measured), an
@@ -422,7 +479,7 @@ def find_include_deps(
         scan, where, folder = todo.pop()
         if scan.uncertain is not None:
             raise UncertainIncludes(f"{scan.uncertain} in {where}")
-        for quoted, raw in scan.names:
+        for quoted, raw in _names(scan, cxx):
             opened, real, scanned = resolve(quoted, raw.decode("utf-8", "surrogateescape"), folder, where)
             found[real] = scanned.sha256
             # Its own includes are looked up in the folder it was opened in, which for a
@@ -437,7 +494,7 @@ def find_include_deps(
     # A file reached under several names (symbolic or hard links): clang may take its
     # folder from any of them (clang 15 keeps the first name it met). Each must agree.
     for scan, folders in files.values():
-        for quoted, raw in scan.names:
+        for quoted, raw in _names(scan, cxx):
             if quoted and len(folders) > 1:
                 name = raw.decode("utf-8", "surrogateescape")
                 if len({resolve(True, name, f, "a linked header")[1] for f in folders}) > 1:
@@ -446,6 +503,16 @@ def find_include_deps(
                         f"differently in its folders {sorted(folders)}"
                     )
     return tuple(IncludeDep(p, d) for p, d in sorted(found.items()))
+
+
+def may_be_cxx(*option_strings: bytes) -> bool:
+    """Whether a compile with these options (the user's, and those a driver adds) may define
+    ``__cplusplus``: C++ for OpenCL (``-cl-std=CLC++``), or an option naming it."""
+    return any(b"++" in t or b"__cplusplus" in t for t in option_strings)
+
+
+def _names(scan: _Scan, cxx: bool) -> tuple[tuple[bool, bytes], ...]:
+    return scan.names if cxx or scan.c_names is None else scan.c_names
 
 
 #: Version of the include lookup rule: keys made under an older rule (which could hash a
@@ -647,8 +714,10 @@ def _deps(
     path = tuple(os.path.join(cwd, d) for d in include_path)
     folder = None if source_dir is None else os.path.realpath(source_dir)
     try:
-        _check_search_options(options, *platforms.extra_options(system.process_environ()))
-        return find_include_deps(scan, path, source_dir=folder, source_dir_doubt=source_dir_doubt), None
+        extra = platforms.extra_options(system.process_environ())
+        _check_search_options(options, *extra)
+        return find_include_deps(scan, path, source_dir=folder, source_dir_doubt=source_dir_doubt,
+                                 cxx=may_be_cxx(options, *extra)), None
     except UncertainIncludes as e:
         return (), str(e)
 
