@@ -45,15 +45,15 @@ import report  # noqa: E402
 
 #: Single-process variants (report.VARIANTS has them all).
 VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-thread"]
-QUICK_VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked"]
+QUICK_VARIANTS = ["nocache", "pyopencl", "acc", "acc-baked"]
 RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
 SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpocl", "suite", "cisuite"]
 
 #: Seconds each section took on 2 cores (pocl 3.1): (quick, full at 3 repetitions). What the
 #: bench announces before it starts, where this --out has no earlier run of its own
 #: (report.json's "section_s", which it prefers).
-SECTION_S = {"seed": (60, 240), "multi": (0, 300), "stall": (25, 120), "throughput": (40, 300),
-             "ranks": (25, 270), "nodes": (35, 900), "sharedpocl": (40, 300), "suite": (35, 200),
+SECTION_S = {"seed": (28, 240), "multi": (0, 300), "stall": (31, 120), "throughput": (38, 300),
+             "ranks": (24, 270), "nodes": (58, 900), "sharedpocl": (29, 300), "suite": (14, 200),
              "cisuite": (60, 1500)}
 #: Sections whose full length grows with --reps (the others cap their repetitions).
 _BY_REPS = {"seed", "multi", "sharedpocl", "suite", "cisuite"}
@@ -615,8 +615,8 @@ def main(argv: list[str] | None = None) -> int:
                          "and the number of cores)")
     ap.add_argument("--node-ranks", default=NODE_RANKS, type=lambda t: [int(x) for x in t.split(",")],
                     help="nodes section: rank counts (default 4,16,64, quick 4; 8 ranks a simulated node)")
-    ap.add_argument("--fill", type=int, default=1000,
-                    help="nodes section: other entries in the shared directory first (default 1000)")
+    ap.add_argument("--fill", type=int, default=None,
+                    help="nodes section: other entries in the shared directory first (default 1000, quick 200)")
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="nodes section: ranks a simulated node (default 8, at least 2 nodes)")
     ap.add_argument("--suite-programs", type=int, default=40,
@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         if "throughput" in sections:
             log.section("throughput")
             v = use(["nocache", "pyopencl", "acc", "acc-idle"] if full else ["nocache", "acc", "acc-idle"])
-            progs = 200 if full else 100
+            progs = 200 if full else 40
             tp_reps = min(reps, 2)
             save("throughput_1",
                  measure_throughput(runner, v, progs, 1, tp_reps, {"pyopencl": 1}))
@@ -734,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
             if ranks is None:
                 cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
                     os.cpu_count() or 1)
-                ranks = default_ranks(cores)
+                ranks = default_ranks(cores) if full else [cores]
             v = RANK_VARIANTS if full else ["nocache", "acc", "acc-shared"]
             if keep_variants is not None:
                 v = [x for x in v if x in keep_variants]
@@ -749,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
             use(modes)
             R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
                                              lambda res: save("nodes", res), reps=min(reps, 3),
-                                             per_node=args.ranks_per_node, fill=args.fill)
+                                             per_node=args.ranks_per_node,
+                                             fill=args.fill if args.fill is not None else 1000 if full else 200)
         if "sharedpocl" in sections:
             log.section("sharedpocl")
             import sharedpocl
