@@ -321,6 +321,13 @@ def test_an_include_c_may_compile_counts(text: bytes, inc: Path) -> None:
         find_include_deps(text + SOURCE, [str(inc)], cxx=False)
 
 
+def test_a_header_that_defines_cplusplus_makes_every_branch_count(inc: Path) -> None:
+    (inc / "defines.h").write_text("#define __cplusplus 201703L\n")
+    source = b'#include "defines.h"\n#ifdef __cplusplus\n#include <stdexcept>\n#endif\n' + SOURCE
+    with pytest.raises(UncertainIncludes, match="stdexcept"):
+        find_include_deps(source, [str(inc)], cxx=False)
+
+
 def test_a_cplusplus_branch_is_skipped_only_where_the_options_cannot_make_it_cplusplus(
         cl_ctx: Any, inc: Path) -> None:
     source = b'#ifdef __cplusplus\n#include <stdexcept>\n#endif\n' + SOURCE

@@ -151,6 +151,9 @@ class _Scan:
     #: ``names`` less those in a branch that only C++ compiles (``#ifdef __cplusplus``), or
     #: ``None`` where that cannot be told for certain (then every name counts).
     c_names: tuple[tuple[bool, bytes], ...] | None = None
+    #: The text ``#define``s or ``#undef``s ``__cplusplus``: for every file compiled after it
+    #: too, so then no branch of any file counts as C++ only.
+    defines_cxx: bool = False
 
 
 def _comment_to_marker(m: re.Match[bytes]) -> bytes:
@@ -172,6 +175,7 @@ def _scan_one(text: bytes) -> _Scan:
     # The open conditionals: whether the branch now read is C++ only (True), and whether the
     # one after an #else would be ("other": a condition not told, every branch counts).
     stack: list[tuple[bool, bool | None]] = []
+    defines_cxx = False
     for m in _DIRECTIVE_RE.finditer(code):
         directive, rest = m.group(1), m.group(2)
         if directive in _UNSUPPORTED:
@@ -197,7 +201,7 @@ def _scan_one(text: bytes) -> _Scan:
             else:
                 stack.pop()
         elif directive in (b"define", b"undef") and _CXX_DEFINE_RE.match(rest):
-            c_names = None  # __cplusplus defined by the code: no branch is known skipped
+            defines_cxx = True  # no branch is known skipped (find_include_deps)
         if directive != b"include":
             continue
         h = _HEADER_RE.match(rest)
@@ -211,7 +215,7 @@ def _scan_one(text: bytes) -> _Scan:
             c_names.append((quoted, name))
     if stack:
         c_names = None  # unbalanced
-    return _Scan(tuple(names), None, None if c_names is None else tuple(c_names))
+    return _Scan(tuple(names), None, None if c_names is None else tuple(c_names), defines_cxx)
 
 
 def _scan(text: bytes) -> _Scan:
@@ -226,7 +230,8 @@ def _scan(text: bytes) -> _Scan:
     c_names = None
     if plain.c_names is not None and replaced.c_names is not None:
         c_names = tuple(dict.fromkeys(plain.c_names + replaced.c_names))
-    return _Scan(tuple(dict.fromkeys(plain.names + replaced.names)), None, c_names)
+    return _Scan(tuple(dict.fromkeys(plain.names + replaced.names)), None, c_names,
+                 plain.defines_cxx or replaced.defines_cxx)
 
 
 def scan_includes(text: bytes) -> tuple[tuple[bytes, ...], bool]:
@@ -479,6 +484,9 @@ def find_include_deps(
         scan, where, folder = todo.pop()
         if scan.uncertain is not None:
             raise UncertainIncludes(f"{scan.uncertain} in {where}")
+        if scan.defines_cxx and not cxx:  # a macro reaches every file after it: all count
+            return find_include_deps(source, include_path, source_dir=source_dir,
+                                     source_dir_doubt=source_dir_doubt, cxx=True)
         for quoted, raw in _names(scan, cxx):
             opened, real, scanned = resolve(quoted, raw.decode("utf-8", "surrogateescape"), folder, where)
             found[real] = scanned.sha256
