@@ -36,7 +36,11 @@ def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 def report_module() -> ModuleType:
     """benchmarks/report.py, loaded afresh (render() renames a column head in it)."""
-    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    return _load("bench_report", "report.py")
+
+
+def _load(name: str, file: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -258,11 +262,8 @@ def test_sharedpocl_jobs_build_in_one_pocl_cache_and_report_their_failures(tmp_p
 
 
 def run_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """benchmarks/run.py, loaded afresh."""
+    return _load("bench_run", "run.py")
 
 
 @pytest.mark.slow
