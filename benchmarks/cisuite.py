@@ -177,7 +177,7 @@ def _ratios(res: dict[str, Any], mode: str, against: str, field: str = "wall_s")
 def table_md(res: dict[str, Any]) -> str:
     if res.get("error"):
         return f"Not measured: {res['error']}."
-    n = len(res["runs"]["none"])
+    n = max(len(runs) for runs in res["runs"].values())
     lines = [f"pyopencl {res['pyopencl']}'s {' + '.join(res['files'])}, {n} sitting(s), medians:", "",
              "| run | seconds | inside `Program.build` | builds | passed |", "|---|--:|--:|--:|--:|"]
     for m in MODES:
@@ -200,8 +200,9 @@ def table_md(res: dict[str, Any]) -> str:
     cold = res["runs"]["cold"]
     if cold and cold[-1].get("entries"):
         plain, baked = cold[-1]["entries"]
-        lines += ["", f"The cold run (last sitting) left {plain} entries, {baked} of them baked (idle baking); "
-                  f"`asyncclcache bake` then took {cold[-1].get('bake_s', 0):.1f} s."]
+        bake = cold[-1].get("bake_s")
+        lines += ["", f"The cold run (last sitting) left {plain} entries, {baked} of them baked (idle baking)"
+                  + (f"; `asyncclcache bake` then took {bake:.1f} s." if bake is not None else ".")]
     last = res["runs"]["new machine"][-1:] + res["runs"]["baked"][-1:]
     for m, r in zip(("new machine", "baked"), last, strict=False):
         if r.get("summary"):
