@@ -118,18 +118,11 @@ def _bake(runner: Any, acc_dir: str) -> float:
     return time.perf_counter() - t0
 
 
-def _entries(acc_dir: str) -> tuple[int, int]:
-    """Entries of ``acc_dir``: (kcache entries, those with a baked binary)."""
-    from asyncclcache.store import Store
-
-    store = Store(acc_dir, rank_local=False, create=False)
-    metas = [m for e in store.entries() if (m := store.read_meta(e.path))]
-    return sum(1 for m in metas if not m.baked_from), sum(1 for m in metas if m.baked_from)
-
-
 def measure_cisuite(runner: Any, reps: int, log: Any, save: Any, *, quick: bool = False) -> dict[str, Any]:
     """``reps`` sittings (quick: one, of ``test_clmath.py`` alone, pocl's folder from the warming
     run, without the no-cache and baked runs); ``save(result)`` after each."""
+    from suite import count_entries
+
     tests, ver = tests_folder(runner)
     files = QUICK_FILES if quick else FILES
     out: dict[str, Any] = {"files": files, "pyopencl": ver, "runs": {m: [] for m in MODES}}
@@ -155,9 +148,9 @@ def measure_cisuite(runner: Any, reps: int, log: Any, save: Any, *, quick: bool 
         r["pocl folder"] = _run(runner, tests, files, restored, None, logs, f"pocl-{rep}")
         copy = runner.fresh("cisuite-new")
         shutil.copytree(acc_dir, copy, symlinks=True, dirs_exist_ok=True)
-        r["cold"]["entries"] = _entries(acc_dir)  # (kcache, baked) as the cold run saved it
+        r["cold"]["entries"] = count_entries(acc_dir)  # (kcache, baked) as the cold run saved it
         r["new machine"] = _run(runner, tests, files, runner.node(), copy, logs, f"new-{rep}")
-        r["new machine"]["entries"] = _entries(copy)
+        r["new machine"]["entries"] = count_entries(copy)
         if not quick:  # the quick run: the question CI asks, a new machine against pocl's folder
             r["cold"]["bake_s"] = _bake(runner, acc_dir)  # what asyncclcache bake took after it
             r["baked"] = _run(runner, tests, files, runner.node(), acc_dir, logs, f"baked-{rep}")

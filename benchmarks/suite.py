@@ -84,7 +84,7 @@ def measure_suite(runner: Any, reps: int, log: Any, save: Any, programs: int = P
         for mode in ("new machine", "baked", "other idle"):
             copies[mode] = runner.fresh("suite-copy")
             shutil.copytree(cold_dir, copies[mode], symlinks=True, dirs_exist_ok=True)
-        out.setdefault("baked_by_cold", []).append(_count_baked(cold_dir))
+        out.setdefault("baked_by_cold", []).append(count_entries(cold_dir)[1])
         run("new machine", "acc", runner.node(), copies["new machine"], ASYNCCLCACHE_BAKE=default)
         _bake(runner, copies["baked"])
         run("baked", "acc", runner.node(), copies["baked"], ASYNCCLCACHE_BAKE=default)
@@ -93,11 +93,13 @@ def measure_suite(runner: Any, reps: int, log: Any, save: Any, programs: int = P
     return out
 
 
-def _count_baked(acc_dir: str) -> int:
+def count_entries(acc_dir: str) -> tuple[int, int]:
+    """Entries of ``acc_dir``: (kcache entries, baked binaries)."""
     from asyncclcache.store import Store
 
     store = Store(acc_dir, rank_local=False, create=False)
-    return sum(1 for e in store.entries() if (m := store.read_meta(e.path)) and m.baked_from)
+    metas = [m for e in store.entries() if (m := store.read_meta(e.path))]
+    return sum(1 for m in metas if not m.baked_from), sum(1 for m in metas if m.baked_from)
 
 
 def _med(runs: list[dict[str, Any]], field: str) -> float | None:
