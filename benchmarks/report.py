@@ -507,6 +507,11 @@ def render(R: dict[str, Any], plots: list[str]) -> str:
 
         md += ["## A test suite in CI (synthetic proxy)", "", suite.__doc__.split("\n\n", 1)[1].strip(), "",
                suite.table_md(R["suite"]), ""]
+    if R.get("firsthit"):
+        import firsthit
+
+        md += ["## A first hit in a new process, against pocl's own folder",
+               "", firsthit.__doc__.split("\n\n", 1)[1].strip(), "", firsthit.table_md(R["firsthit"]), ""]
     if R.get("cisuite"):
         import cisuite
 

@@ -47,14 +47,14 @@ import report  # noqa: E402
 VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-thread"]
 QUICK_VARIANTS = ["nocache", "pyopencl", "acc", "acc-baked"]
 RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
-SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpocl", "suite", "cisuite"]
+SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpocl", "suite", "cisuite", "firsthit"]
 
 #: Seconds each section took on 2 cores (pocl 3.1): (quick, full at 3 repetitions). What the
 #: bench announces before it starts, where this --out has no earlier run of its own
 #: (report.json's "section_s", which it prefers).
 SECTION_S = {"seed": (33, 240), "multi": (0, 300), "stall": (30, 120), "throughput": (38, 300),
              "ranks": (24, 270), "nodes": (58, 900), "sharedpocl": (32, 300), "suite": (15, 200),
-             "cisuite": (61, 1500)}
+             "cisuite": (61, 1500), "firsthit": (10, 30)}
 #: Sections whose full length grows with --reps (the others cap their repetitions).
 _BY_REPS = {"seed", "multi", "sharedpocl", "suite", "cisuite"}
 
@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     reps = args.reps or (1 if args.quick else 3)
-    only = args.only.replace("first", "seed,multi").split(",")
+    only = [x for s in args.only.split(",") for x in (["seed", "multi"] if s == "first" else [s])]
     unknown = set(only) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
@@ -773,6 +773,13 @@ def main(argv: list[str] | None = None) -> int:
             R["cisuite"] = cisuite.measure_cisuite(runner, reps, log, lambda res: save("cisuite", res),
                                                    quick=args.quick)
             save("cisuite", R["cisuite"])
+        if "firsthit" in sections:
+            log.section("firsthit")
+            import firsthit
+
+            use(["acc"])
+            R["firsthit"] = firsthit.measure_firsthit(runner, 5 if args.quick else 5 * reps, log,
+                                                      lambda res: save("firsthit", res))
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", flush=True)
     finally:

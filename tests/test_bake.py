@@ -90,21 +90,28 @@ def test_a_baked_hit_launches_without_compiling(cache_dir: Path, tmp_path: Path)
     assert (warm["writes"], warm["refreshes"], warm["bakes_dropped"]) == (0, 0, 0), warm
 
 
-def test_a_bake_that_lacks_a_variant_of_its_entry_is_not_served(cache_dir: Path, tmp_path: Path) -> None:
+def test_a_bake_that_lacks_a_variant_of_its_entry_serves_with_the_variant_beside_it(
+        cache_dir: Path, tmp_path: Path) -> None:
     _run(cache_dir, tmp_path / "cold", n=1, local=64)
     assert _bake(cache_dir)["baked"] == 1
+    baked_before = _baked(cache_dir)
     # Another local size: the baked hit launches a new variant, and the entry gains it.
     grown = _run(cache_dir, tmp_path / "grown", n=1, local=32)
     assert (grown["baked_hits"], grown["refreshes"]) == (1, 1), grown
-    # The bake lacks the new variant: the folder serves, with both, and nothing compiles.
+    # The bake lacks the new variant: it still serves, the entry's variant is written beside
+    # what it unpacked, and neither launch compiles.
     after = _run(cache_dir, tmp_path / "after", n=1, local=32)
-    assert (after["hits"], after["baked_hits"], after["bakes_dropped"]) == (1, 0, 1), after
+    assert (after["hits"], after["baked_hits"], after["bakes_dropped"]) == (1, 1, 0), after
+    assert any("/32-1-1" in f for f in after["built"]), after["built"]
     assert after["built"] == after["launched"], set(after["launched"]) - set(after["built"])
-    assert _baked(cache_dir) == {}  # dropped, for a later bake
+    other = _run(cache_dir, tmp_path / "other", n=1, local=64)
+    assert other["baked_hits"] == 1 and other["built"] == other["launched"], other
+    assert _baked(cache_dir) == baked_before  # kept; a bake folds the variant in
     assert _bake(cache_dir)["baked"] == 1
     rebaked = _run(cache_dir, tmp_path / "rebaked", n=1, local=32)
     assert (rebaked["baked_hits"], rebaked["bakes_dropped"]) == (1, 0), rebaked
     assert rebaked["built"] == rebaked["launched"]
+    assert _baked(cache_dir) != baked_before
 
 
 def test_bake_twice_is_a_no_op(cache_dir: Path, tmp_path: Path) -> None:

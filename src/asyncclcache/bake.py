@@ -16,8 +16,9 @@ variants and the generic one, and publish it under :func:`~.keys.baked_key` with
 same claim, checksum and atomic publish as every write. An entry is baked only where
 this process computes the same key for it (the same pyopencl, pocl settings and header
 contents): when in doubt, skip.
-A hit prefers the baked binary while it holds every file of its entry
-(:meth:`.drivers.kcache_folders.KcacheDriver.build_from_baked`).
+A hit prefers the baked binary; the variants its entry gained after the bake are written
+beside what it unpacks (:meth:`.drivers.kcache_folders.KcacheDriver.build_from_baked`), and
+a later bake folds them in.
 
 Thread- and process-safe: any number of bakes and jobs may share a directory.
 """

@@ -24,14 +24,12 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from . import maintenance, nodecompile, summary
+from . import summary
 from .config import STRATEGIES, get_config, parse_size, strategy_in_use
 from .drivers import Build, Driver, Hit, HitOutcome, Job, Purpose, make_driver, resolve_strategy
 from .entry import Entry
 from .errors import BackgroundError, BinaryRejectedWarning
 from .keys import baked_key
-from .nodecompile import NodeCompiles
-from .nodecopies import node_base
 from .pipeline import MAX_JOBS, Pipeline
 from .stats import Counters, Stats
 from .store import BAKED_RECHECK, Stamp, Store
@@ -42,6 +40,7 @@ if TYPE_CHECKING:
 
     from .bake import IdleBaker
     from .keys import KeyInfo
+    from .nodecompile import NodeCompiles
 
 __all__ = ["Built", "Cache", "Stats", "Step", "close_all", "default_cache", "exit_interrupted", "step"]
 
@@ -256,6 +255,9 @@ class Cache:
         self._node_compiles: NodeCompiles | None = None
         on = cfg.node_compile if cfg.node_compile is not None else self.store.rank is not None
         if on and not self.disabled:
+            from .nodecompile import NodeCompiles  # a job's ranks only: off a lone process's import
+            from .nodecopies import node_base
+
             self._node_compiles = NodeCompiles(node_base(cfg.node_dir, cfg.test_node), self._count_node)
         self._closed = False
         _CACHES.add(self)
@@ -381,6 +383,8 @@ class Cache:
             self._baker.close()  # never waited for: what it has not baked stays kcache
         node = self.store.node
         if node is not None and node.enabled:  # every copy on the node; one process prunes
+            from . import maintenance
+
             maintenance.sweep(node.storage)
             if node.max_bytes is not None:
                 maintenance.prune(node.storage, max_size=node.max_bytes)
@@ -483,6 +487,8 @@ class Cache:
         nc, root = self._node_compiles, b.driver.node_root
         if nc is None or root is None or not nc.enabled:
             return b.from_source()
+        from . import nodecompile
+
         program, folders = nc.build(b.info.key, root, b.from_source, lambda p: b.describe(p)[1])
         nodecompile.register(nc, program, b.info.key, root, folders, launches_add=b.driver.launches_add)
         return program
@@ -521,8 +527,8 @@ class Cache:
 
     def _from_baked(self, b: Build, entry: Entry, driver: Driver) -> Built | None:
         """A hit on the baked binary of ``entry``, where there is one (``asyncclcache bake``):
-        it loads at a binary's speed. One the driver refuses, or that lacks what the entry
-        gained since, is dropped (counted), and the entry's own files serve."""
+        it loads at a binary's speed. One the driver refuses is dropped (counted), and the
+        entry's own files serve."""
         key = baked_key(entry.key)
         baked = self._memory.get(key)
         # None baked here (no mark): no lookup on the shared dir; none for this key lately:
@@ -569,6 +575,8 @@ class Cache:
         self._counters.add("hits")
         nc = self._node_compiles
         if nc is not None and b.driver.node_root is not None and hit.folders:
+            from . import nodecompile
+
             # The entry may lack a variant a launch here needs: compiled once a node too.
             nodecompile.register(nc, hit.program, b.info.key, b.driver.node_root, hit.folders,
                                  launches_add=b.driver.launches_add)

@@ -69,8 +69,9 @@ def insecure(st: os.stat_result, *, private_group_ok: bool = False) -> str | Non
     it, as umask 002 set-ups make pocl's files) is the user's own."""
     if st.st_uid != os.geteuid():
         return f"owned by uid {st.st_uid}, not {os.geteuid()}"
-    group_ok = private_group_ok and _private_group(st.st_gid)
-    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and not group_ok):
+    # The group's name looked up only where its write bit is set (not on a umask-022 system).
+    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP
+                                     and not (private_group_ok and _private_group(st.st_gid))):
         return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
     if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
         # A hard link made elsewhere (by whoever could write there) into our directory.

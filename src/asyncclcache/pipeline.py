@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import _version, maintenance
+from . import _version
 from .drivers import Dropped, Job, Lost, PerJob, Purpose, Snapshot
 from .entry import Entry, EntryMeta
 from .errors import WriteFailedWarning
@@ -44,6 +44,7 @@ from .store import PublishResult, Store
 from .workers import Workers
 
 if TYPE_CHECKING:
+    from . import maintenance
     from .drivers import Hit
 
 __all__ = ["MAX_JOBS", "Pipeline"]
@@ -307,6 +308,8 @@ class Pipeline:
         # its last upkeep is read once (a stat; its size too where a bound is set); an upkeep
         # (one process, non-blocking) only where that is an interval old, or where the size
         # it measured plus what this process wrote since crosses the bound.
+        from . import maintenance  # a writer thread's, at its first write: off the import path
+
         with self._lock:
             self._wrote_bytes += added
             seen, wrote = self._upkept, self._wrote_bytes

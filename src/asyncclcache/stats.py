@@ -96,7 +96,7 @@ class Stats:
     node_waits_cut: int = _counter("ranks of a node: waits for another rank's compile cut at the bound "
                                    "(a stopped rank?)")
     baked_hits: int = _counter("hits served by a baked binary (asyncclcache bake)")
-    bakes_dropped: int = _counter("baked binaries not used at a hit (stale or refused), dropped")
+    bakes_dropped: int = _counter("baked binaries refused at a hit, dropped")
     bakes_not_queued: int = _counter("entries the idle baker could not take (busy, or off here): bake later")
     refreshes: int = _counter("entries rewritten because the program gained variants")
     skipped: int = _counter("writes left to another process that held the key, or dropped at shutdown")

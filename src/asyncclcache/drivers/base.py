@@ -264,7 +264,8 @@ class Driver(ABC):
 
     def build_from_baked(self, baked: Entry, entry: Entry, build: Build) -> Hit:
         """Build the program from ``baked``, the baked binary of ``entry`` (``bakes``
-        drivers; caller's thread): ``REFUSED`` where it lacks what ``entry`` holds."""
+        drivers; caller's thread): ``REFUSED`` where it is not of ``entry`` or the driver
+        refuses it; what ``entry`` gained since the bake is added beside it."""
         return Hit(HitOutcome.REFUSED, None, f"{self.name} does not load baked binaries")
 
     def watch(self, job: Job, entry: Entry, hit: Hit) -> None:  # noqa: B027 - optional hook

@@ -52,6 +52,7 @@ from .folders import (
     entry_folders,
     folder_files,
     folders_per_build,
+    generic,
     lacks,
     listing,
     mark,
@@ -173,15 +174,30 @@ class KcacheDriver(BackgroundDriver):
         import pyopencl as cl
 
         files = entry.meta.files or []
-        if baked.meta.baked_from != entry.key or lacks(baked.meta.baked_files or (), files):
-            # The folder gained variants since the bake: the binary would compile them again.
-            return Hit(HitOutcome.REFUSED, None, "baked before the entry gained variants")
+        if baked.meta.baked_from != entry.key:
+            return Hit(HitOutcome.REFUSED, None, "baked from another entry")
         try:
             program = build.from_binaries(baked.binaries)
         except cl.Error as e:
             return Hit(HitOutcome.REFUSED, None, f"{e.code}: {e.what if hasattr(e, 'what') else e}")
         # pocl unpacks the binary into the program's own folder, where launches add variants.
-        return Hit(HitOutcome.USED, program, "", tuple(entry_folders(files)))
+        folders = tuple(entry_folders(files))
+        self._add_later_variants(entry, set(baked.meta.baked_files or ()), folders)
+        return Hit(HitOutcome.USED, program, "", folders)
+
+    def _add_later_variants(self, entry: Entry, held: set[str], folders: Sequence[str]) -> None:
+        """The variants ``entry`` gained after its bake (launches with other local sizes, at
+        a refresh of the run that baked it), written beside what the binary unpacked, so that
+        those launches compile nothing either. Only into a folder pocl did unpack into; a
+        failure costs those launches their compile, never the hit."""
+        later = [(f, blob) for f, blob in zip(entry.meta.files or (), entry.binaries, strict=False)
+                 if f not in held and not generic(f)]
+        if not later or not all(self._holds(f) for f in folders):
+            return
+        try:
+            restore(self.root, [f for f, _ in later], [blob for _, blob in later], valid_file)
+        except (OSError, ValueError) as e:
+            self._warn_once("restore", f"could not restore pocl's kernel cache ({e}); launches compile")
 
     def watch(self, job: Job, entry: Entry, hit: Hit) -> None:
         self._of(job).folders = hit.folders
