@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         if "throughput" in sections:
             log.section("throughput")
             v = use(["nocache", "pyopencl", "acc", "acc-idle"] if full else ["nocache", "acc", "acc-idle"])
-            progs = 200 if full else 40
+            progs = 200 if full else 24
             tp_reps = min(reps, 2)
             save("throughput_1",
                  measure_throughput(runner, v, progs, 1, tp_reps, {"pyopencl": 1}))
@@ -778,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
             import firsthit
 
             use(["acc"])
-            R["firsthit"] = firsthit.measure_firsthit(runner, 5 if args.quick else 5 * reps, log,
+            R["firsthit"] = firsthit.measure_firsthit(runner, 3 if args.quick else 5 * reps, log,
                                                       lambda res: save("firsthit", res))
     except KeyboardInterrupt:
         print("interrupted: writing what was measured", flush=True)
