@@ -60,7 +60,7 @@ def bold_columns(md: str, row: str) -> set[str]:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("bench")
-    r = bench("--quick", "--only", "seed,ranks,nodes", "--ranks", "2", "--node-ranks", "4", "--n", "20",
+    r = bench("--quick", "--only", "seed,ranks,nodes,firsthit", "--ranks", "2", "--node-ranks", "4", "--n", "20",
               "--out", str(out))
     return out, r
 
@@ -69,7 +69,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
 def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
     out, r = quick_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[" in r.stdout and "1/3 seed]" in r.stdout and "2/3 ranks]" in r.stdout  # progress
+    assert "[" in r.stdout and "1/4 seed]" in r.stdout and "2/4 ranks]" in r.stdout  # progress
     R = json.loads((out / "report.json").read_text())
     assert R["machine"]["auto_strategy"] == "kcache"  # pocl's CPU device, kernel cache on
     seed = R["first_result_seed"]
@@ -89,6 +89,20 @@ def test_quick_run_measures_every_variant(quick_run: tuple[Path, Any]) -> None:
     assert seed["acc-baked"]["bake_s"][0] > 0
     baked_warm = seed["acc-baked"]["warm"][0]["stats_timed"]
     assert (baked_warm["hits"], baked_warm["baked_hits"], baked_warm["misses"]) == (1, 1, 0)
+
+
+@pytest.mark.slow
+def test_firsthit_times_a_kcache_hit_and_a_baked_hit_beside_pocls_folder(quick_run: tuple[Path, Any]) -> None:
+    out, _ = quick_run
+    res = json.loads((out / "report.json").read_text())["firsthit"]
+    assert not res.get("error"), res
+    for mode, hits in (("pocl folder", None), ("acc", [1, 0]), ("acc baked", [1, 1])):
+        runs = res["runs"][mode]
+        assert len(runs) == 3, mode  # --quick's sittings
+        for one in runs:
+            assert one["ok"] and one["hits"] == hits, (mode, one)  # the launch's result checked
+            assert 0 < one["pocl_ms"] < one["build_ms"], (mode, one)
+    assert "## A first hit in a new process" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow

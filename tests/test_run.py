@@ -237,6 +237,20 @@ def test_install_by_environment_plain_python_script(driver, cache_dir, tmp_path)
     assert plain.returncode == 0 and "installed False" in plain.stdout and "asyncclcache" not in plain.stderr
 
 
+@pytest.mark.parametrize("first", ["asyncclcache.cache", "asyncclcache.program", "asyncclcache.drivers"])
+def test_install_by_environment_after_a_module_of_ours_imports_pyopencl(first, cache_dir, tmp_path):
+    # pyopencl is first imported by a module of ours, still half imported itself: the hook
+    # cannot import ours then, and installs at the first build instead.
+    script = tmp_path / "work" / "driver.py"
+    script.parent.mkdir()
+    script.write_text(f"import {first}\n" + DRIVER)
+    env = {"ASYNCCLCACHE_INSTALL": "1", "ASYNCCLCACHE_DIR": str(cache_dir), "ASYNCCLCACHE_STATS": "1"}
+    cold = _run([sys.executable, str(script)], cwd=tmp_path, **env)
+    assert cold.returncode == 0 and "installed True" in cold.stdout, cold.stderr
+    assert "install() failed" not in cold.stderr
+    assert _summary(cold.stderr)[:3] == (0, 3, 3)
+
+
 PROBE = "import sys; print(sorted(m for m in ('asyncclcache', 'asyncclcache.cache', 'pyopencl') if m in sys.modules))"
 
 

@@ -5,7 +5,8 @@ line that Python's ``site`` module runs at every interpreter start. With
 ``ASYNCCLCACHE_INSTALL`` unset or ``0`` it is one environment lookup and imports
 nothing. With ``1`` it calls :func:`on_startup`, which puts a finder at the front of
 ``sys.meta_path``: when ``pyopencl`` is first imported, :func:`asyncclcache.install`
-runs right after pyopencl's own ``__init__``, before the program can build anything.
+runs right after pyopencl's own ``__init__``, before the program can build anything (where
+a module of ours, half imported, imported pyopencl: at the first ``Program.build``).
 A process that never imports pyopencl never loads it (nor asyncclcache's cache).
 ``asyncclcache run`` uses the same hook in its own process.
 
@@ -66,12 +67,44 @@ def activate() -> None:
 
 
 def _install() -> None:
+    if _ours_importing():
+        # pyopencl came with a module of ours that is still being imported (``import
+        # asyncclcache.cache`` before pyopencl): ours cannot be imported from here. Every
+        # build goes through Program.build, so install at the first one.
+        _install_at_first_build()
+        return
     try:
         from .program import install
 
         install()
     except Exception as e:  # noqa: BLE001 - the program runs on, uncached
         sys.stderr.write(f"asyncclcache: install() failed, running uncached: {type(e).__name__}: {e}\n")
+
+
+def _ours_importing() -> bool:
+    # importlib marks a module's spec while its code runs (CPython's ``_initializing``).
+    return any(getattr(getattr(m, "__spec__", None), "_initializing", False)
+               for name, m in list(sys.modules.items())
+               if name == "asyncclcache" or name.startswith("asyncclcache."))
+
+
+def _install_at_first_build() -> None:
+    import pyopencl as cl
+
+    plain = cl.Program.build
+
+    def build(self: object, *args: object, **kwargs: object) -> object:
+        with _lock:
+            first = cl.Program.build is build
+            if first:
+                cl.Program.build = plain  # type: ignore[method-assign]
+        if first:
+            _install()
+        now = cl.Program.build
+        return (plain if now is build else now)(self, *args, **kwargs)  # type: ignore[operator]
+
+    build._asyncclcache_original = plain  # type: ignore[attr-defined]  # _pyopencl.PYOPENCL_BUILD
+    cl.Program.build = build  # type: ignore[method-assign]
 
 
 class _PyopenclFinder:  # a meta path finder (importlib.abc would cost 20 ms to import)
