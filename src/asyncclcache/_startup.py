@@ -27,6 +27,7 @@ from ._flags import parse_bool
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import importlib.machinery
+    from typing import Any
     from collections.abc import Sequence
     from types import ModuleType
 
@@ -93,7 +94,7 @@ def _install_at_first_build() -> None:
 
     plain = cl.Program.build
 
-    def build(self: object, *args: object, **kwargs: object) -> object:
+    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
         with _lock:
             first = cl.Program.build is build
             if first:
@@ -101,7 +102,7 @@ def _install_at_first_build() -> None:
         if first:
             _install()
         now = cl.Program.build
-        return (plain if now is build else now)(self, *args, **kwargs)  # type: ignore[operator]
+        return (plain if now is build else now)(self, *args, **kwargs)
 
     build._asyncclcache_original = plain  # type: ignore[attr-defined]  # _pyopencl.PYOPENCL_BUILD
     cl.Program.build = build  # type: ignore[method-assign]
