@@ -27,9 +27,9 @@ from ._flags import parse_bool
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import importlib.machinery
-    from typing import Any
     from collections.abc import Sequence
     from types import ModuleType
+    from typing import Any
 
 __all__ = ["activate", "on_startup"]
 
