@@ -52,9 +52,9 @@ SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpoc
 #: Seconds each section took on 2 cores (pocl 3.1): (quick, full at 3 repetitions). What the
 #: bench announces before it starts, where this --out has no earlier run of its own
 #: (report.json's "section_s", which it prefers).
-SECTION_S = {"seed": (33, 240), "multi": (0, 300), "stall": (30, 120), "throughput": (38, 300),
+SECTION_S = {"seed": (33, 240), "multi": (0, 300), "stall": (30, 120), "throughput": (26, 300),
              "ranks": (24, 270), "nodes": (58, 900), "sharedpocl": (32, 300), "suite": (15, 200),
-             "cisuite": (61, 1500), "firsthit": (10, 30)}
+             "cisuite": (61, 1500), "firsthit": (5, 15)}
 #: Sections whose full length grows with --reps (the others cap their repetitions).
 _BY_REPS = {"seed", "multi", "sharedpocl", "suite", "cisuite"}
 

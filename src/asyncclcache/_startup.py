@@ -67,8 +67,8 @@ def activate() -> None:
         sys.meta_path.insert(0, _PyopenclFinder())
 
 
-def _install() -> None:
-    if _ours_importing():
+def _install(*, at_once: bool = False) -> None:
+    if not at_once and _ours_importing():
         # pyopencl came with a module of ours that is still being imported (``import
         # asyncclcache.cache`` before pyopencl): ours cannot be imported from here. Every
         # build goes through Program.build, so install at the first one.
@@ -100,7 +100,9 @@ def _install_at_first_build() -> None:
             if first:
                 cl.Program.build = plain  # type: ignore[method-assign]
         if first:
-            _install()
+            # At once: another thread's import of ours, if any, is waited for by the import
+            # system (the half-imported module is only this thread's own cycle).
+            _install(at_once=True)
         now = cl.Program.build
         return (plain if now is build else now)(self, *args, **kwargs)
 
