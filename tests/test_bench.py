@@ -285,9 +285,9 @@ def test_a_run_says_how_long_it_will_take_and_records_each_section(quick_run: tu
     out, r = quick_run
     assert r.returncode == 0, r.stdout[-3000:]
     first = r.stdout.splitlines()[0]
-    assert first.startswith("bench: seed, ranks, nodes: about ") and " min (" in first, first
+    assert first.startswith("bench: seed, ranks, nodes, firsthit: about ") and " min (" in first, first
     took = json.loads((out / "report.json").read_text())["section_s"]
-    assert set(took) == {"seed", "ranks", "nodes"} and all(s > 0 for s in took.values()), took
+    assert set(took) == {"seed", "ranks", "nodes", "firsthit"} and all(s > 0 for s in took.values()), took
 
 
 def test_the_announced_length_is_this_machines_last_run_where_there_is_one(tmp_path: Path) -> None:
