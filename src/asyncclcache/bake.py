@@ -227,8 +227,8 @@ class _Worker:
         """Why this process, in the folder it builds in (``where`` says which), would not
         compute ``entry``'s key (a header changed or resolves to another file, another
         pyopencl or pocl setting), or ``None``."""
-        from . import _pyopencl, system
-        from .keys import UncertainIncludes, find_include_deps, key_of, may_be_cxx
+        from . import _pyopencl
+        from .keys import include_deps, key_of
 
         source = entry.meta.source.encode("utf-8", "surrogateescape")  # type: ignore[union-attr]
         if hashlib.sha256(source).hexdigest() != entry.meta.source_sha256:
@@ -249,11 +249,9 @@ class _Worker:
         # The key holds real paths: the files this build's compiler finds, looking where the
         # job's did (this pocl's source folder, then "." and the -I folders), must be those.
         folder = pocl.source_dir()
-        try:
-            deps = find_include_deps(source, _pyopencl.include_path(options),
-                                     source_dir=None if folder is None else os.path.realpath(folder),
-                                     cxx=may_be_cxx(options, *platforms.extra_options(system.process_environ())))
-        except UncertainIncludes:
+        deps, uncertain = include_deps(source, options, _pyopencl.include_path(options), os.getcwd(),
+                                       source_dir=None if folder is None else str(folder))
+        if uncertain is not None:
             return f"{where}, a header it includes is not found for certain"
         if [[d.path, d.sha256] for d in deps] != entry.meta.includes:
             return f"{where}, a header it includes is another file"

@@ -79,6 +79,7 @@ __all__ = [
     "device_identity",
     "find_include_deps",
     "host_cpu_features",
+    "include_deps",
     "key_of",
     "make_key",
     "may_be_cxx",
@@ -694,8 +695,8 @@ def make_key(
             info, scan = made
             if not scan.names:  # nothing read from a file: the same inputs, the same key
                 return info
-            again = _deps(scan, options, include_path, cwd, source_dir=source_dir,
-                           source_dir_doubt=source_dir_doubt)
+            again = include_deps(scan, options, include_path, cwd, source_dir=source_dir,
+                                 source_dir_doubt=source_dir_doubt)
             if again == (info.deps, info.uncertain):
                 return info
     scan = _scan(source)
@@ -703,8 +704,8 @@ def make_key(
     settings, uncertain = _MADE.settings(devices, pointers, environ) if env_only else settings_of(devices)
     deps: tuple[IncludeDep, ...] = ()
     if uncertain is None:
-        deps, uncertain = _deps(scan, options, include_path, cwd, source_dir=source_dir,
-                                source_dir_doubt=source_dir_doubt)
+        deps, uncertain = include_deps(scan, options, include_path, cwd, source_dir=source_dir,
+                                       source_dir_doubt=source_dir_doubt)
     source_sha = hashlib.sha256(source).hexdigest()
     key = key_of(devices, options, source_sha, [[d.path, d.sha256] for d in deps], kind=kind,
                  environment=settings, identities=identities)
@@ -714,17 +715,19 @@ def make_key(
     return info
 
 
-def _deps(
-    scan: _Scan, options: bytes, include_path: Sequence[str], cwd: str, *, source_dir: str | None,
-    source_dir_doubt: str | None,
+def include_deps(
+    source: bytes | _Scan, options: bytes, include_path: Sequence[str], cwd: str, *, source_dir: str | None,
+    source_dir_doubt: str | None = None,
 ) -> tuple[tuple[IncludeDep, ...], str | None]:
-    """(the includes, why they cannot be known for certain or ``None``) of a scanned source."""
+    """(the includes, why they cannot be known for certain or ``None``) of building
+    ``source`` (or its scan) with ``options`` in ``cwd``, under this process's driver
+    settings: the key's rule, which a bake checks an entry against. Thread-safe."""
     path = tuple(os.path.join(cwd, d) for d in include_path)
     folder = None if source_dir is None else os.path.realpath(source_dir)
     try:
         extra = platforms.extra_options(system.process_environ())
         _check_search_options(options, *extra)
-        return find_include_deps(scan, path, source_dir=folder, source_dir_doubt=source_dir_doubt,
+        return find_include_deps(source, path, source_dir=folder, source_dir_doubt=source_dir_doubt,
                                  cxx=may_be_cxx(options, *extra)), None
     except UncertainIncludes as e:
         return (), str(e)
