@@ -77,11 +77,17 @@ def generic(rel: str) -> bool:
     return len(parts) >= 5 and parts[3].startswith(_GENERIC)
 
 
-def lacks(held: Iterable[str], files: Iterable[str]) -> bool:
-    """Some file of ``files`` that a launch needs is not in ``held`` (a generic variant is
-    never needed: :func:`generic`). A refresh, a baked binary's freshness and a bake ask it."""
+def missing(held: Iterable[str], files: Iterable[str]) -> Iterator[str]:
+    """The files of ``files`` that a launch needs and ``held`` lacks (a generic variant is
+    never needed: :func:`generic`)."""
     have = set(held)
-    return any(f not in have and not generic(f) for f in files)
+    return (f for f in files if f not in have and not generic(f))
+
+
+def lacks(held: Iterable[str], files: Iterable[str]) -> bool:
+    """Some file of ``files`` that a launch needs is not in ``held``. A refresh, a baked
+    binary's freshness and a bake ask it."""
+    return next(missing(held, files), None) is not None
 
 
 def entry_folders(files: Sequence[str]) -> list[str]:

@@ -52,10 +52,10 @@ from .folders import (
     entry_folders,
     folder_files,
     folders_per_build,
-    generic,
     lacks,
     listing,
     mark,
+    missing,
     moved,
     narrow,
     ready,
@@ -182,16 +182,17 @@ class KcacheDriver(BackgroundDriver):
             return Hit(HitOutcome.REFUSED, None, f"{e.code}: {e.what if hasattr(e, 'what') else e}")
         # pocl unpacks the binary into the program's own folder, where launches add variants.
         folders = tuple(entry_folders(files))
-        self._add_later_variants(entry, set(baked.meta.baked_files or ()), folders)
+        self._add_later_variants(entry, baked.meta.baked_files or (), folders)
         return Hit(HitOutcome.USED, program, "", folders)
 
-    def _add_later_variants(self, entry: Entry, held: set[str], folders: Sequence[str]) -> None:
+    def _add_later_variants(self, entry: Entry, held: Sequence[str], folders: Sequence[str]) -> None:
         """The variants ``entry`` gained after its bake (launches with other local sizes, at
         a refresh of the run that baked it), written beside what the binary unpacked, so that
         those launches compile nothing either. Only into a folder pocl did unpack into; a
         failure costs those launches their compile, never the hit."""
-        later = [(f, blob) for f, blob in zip(entry.meta.files or (), entry.binaries, strict=False)
-                 if f not in held and not generic(f)]
+        files = entry.meta.files or ()
+        need = set(missing(held, files))
+        later = [(f, blob) for f, blob in zip(files, entry.binaries, strict=False) if f in need]
         if not later or not all(self._holds(f) for f in folders):
             return
         try:
