@@ -15,10 +15,45 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Workers"]
+__all__ = ["Handoff", "Workers"]
 
 logger = logging.getLogger(__name__)
 _STOP = object()
+
+
+class Handoff:
+    """``fn()``, run once: by a worker thread that gets to it first, or by the thread that
+    asks for its :meth:`result` first (never waiting behind a queue of other work). Thread-safe."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        """Run ``fn`` here unless another thread has; its error is kept for :meth:`result`."""
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+        try:
+            self._value = self._fn()
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        """``fn``'s value (raises its error): run here if no thread has started it, else
+        waited for (a task already running: never one still queued)."""
+        self.run()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class Workers:
@@ -52,6 +87,13 @@ class Workers:
                     t.start()
                 self._started = True
         self._queue.put(functools.partial(fn, *args) if args else fn)
+
+    def handoff(self, fn: Callable[[], Any]) -> Handoff:
+        """``fn`` queued as a :class:`Handoff`: a worker runs it meanwhile, or the caller
+        at ``result()``. For short work that the caller needs done soon, whatever the queue holds."""
+        task = Handoff(fn)
+        self.submit(task.run)
+        return task
 
     def _run(self) -> None:
         while True:

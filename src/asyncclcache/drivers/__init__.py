@@ -115,9 +115,9 @@ def make_driver(name: str, workers: Workers, devices: Sequence[cl.Device] = ()) 
 
             located = [(part, *part.locate(devices)) for part in platform.parts]
             return PartsDriver(platform.layout, [
-                (part.prefix, part.layout, None if r is None else _cache_driver(part.layout, r), w)
+                (part.prefix, part.layout, None if r is None else _cache_driver(part.layout, r, workers), w)
                 for part, r, w in located])
-        return _cache_driver(platform.layout, root)
+        return _cache_driver(platform.layout, root, workers)
     if name == "thread":
         from .thread import ThreadDriver
 
@@ -129,10 +129,10 @@ def make_driver(name: str, workers: Workers, devices: Sequence[cl.Device] = ()) 
     raise ValueError(f"unknown strategy {name!r}")
 
 
-def _cache_driver(layout: platforms.Layout, root: Path) -> Driver:
+def _cache_driver(layout: platforms.Layout, root: Path, workers: Workers) -> Driver:
     """The driver of one cache: one folder per program, or one file per item."""
     if layout.per_program:
-        return KcacheDriver(root, layout)
+        return KcacheDriver(root, layout, workers)
     from .kcache_files import FileCacheDriver
 
     return FileCacheDriver(root, layout)

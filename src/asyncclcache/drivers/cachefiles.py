@@ -83,6 +83,10 @@ class Placed:
     def count(self) -> int:
         return len(self.files)
 
+    def plus(self, other: Placed) -> Placed:
+        """Both restores, to be taken back together (``other``'s directories made after ours)."""
+        return Placed(self.files + other.files, self.dirs + other.dirs)
+
 
 def _open_dir(parent: int, name: str, made: list[str], rel: str) -> int:
     try:

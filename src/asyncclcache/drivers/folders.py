@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LAST_ACCESSED",
+    "at_launch",
     "candidates",
     "choose",
     "entry_folders",
@@ -75,6 +76,12 @@ def generic(rel: str) -> bool:
     variant is there."""
     parts = rel.split("/")
     return len(parts) >= 5 and parts[3].startswith(_GENERIC)
+
+
+def at_launch(rel: str) -> bool:
+    """A file of a kernel's variant (``XX/<hash>/<kernel>/<variant>/<name>``), which pocl
+    reads at the kernel's launch; the build reads only the program's own files (its bitcode)."""
+    return rel.count("/") > _LAYOUT.depth
 
 
 def missing(held: Iterable[str], files: Iterable[str]) -> Iterator[str]:

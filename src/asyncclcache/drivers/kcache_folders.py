@@ -28,6 +28,7 @@ query, no generic variant, no other process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -47,6 +48,7 @@ from .base import Build, Done, Hit, HitOutcome, Job, Lost, PerJob, Snapshot
 from .cachefiles import restore, unrestore
 from .folders import (
     LAST_ACCESSED,
+    at_launch,
     candidates,
     choose,
     entry_folders,
@@ -65,6 +67,7 @@ from .folders import (
 
 if TYPE_CHECKING:
     from ..entry import Entry
+    from ..workers import Workers
 
 __all__ = ["KcacheDriver"]
 
@@ -117,8 +120,9 @@ class KcacheDriver(BackgroundDriver):
     bakes = True
     settle_seconds = SETTLE_SECONDS
 
-    def __init__(self, root: Path, layout: Layout = pocl.LAYOUT) -> None:
+    def __init__(self, root: Path, layout: Layout = pocl.LAYOUT, workers: Workers | None = None) -> None:
         self.root = self.node_root = root
+        self._workers = workers  # a hit's launch files are written there during its build
         #: Whether launches add variants to a folder (a snapshot waits for them): pocl's
         #: CPU devices; its CUDA device's build writes every file (F27).
         self.launches_add = layout.launches_add
@@ -235,18 +239,36 @@ class KcacheDriver(BackgroundDriver):
             return Hit(HitOutcome.REFUSED, None, f"the entry holds {bad!r}, not a file of pocl's kernel cache")
         folders = entry_folders(files)
         marks = {f: mark(self.root, f) for f in folders}
+        # What the build reads (the bitcode) is written before it; the variants, read at
+        # the first launch, on a writer thread while pocl builds (the GIL released), and
+        # waited for before the build returns: a launch finds them whichever thread wrote them.
+        later = [i for i, f in enumerate(files) if self._workers is not None and at_launch(f)]
+        now = sorted(set(range(len(files))) - set(later))
         try:
-            placed = restore(self.root, files, entry.binaries, valid_file)
+            placed = restore(self.root, [files[i] for i in now], [entry.binaries[i] for i in now], valid_file)
         except (OSError, ValueError) as e:
             # Our I/O failed, or pocl's cache holds what we must not write into: not the
             # entry's fault. Build from source without restoring.
             self._warn_once("restore", f"could not restore pocl's kernel cache ({e}); built from source")
             return Hit(HitOutcome.NOT_RESTORED, build.from_source(), f"restore failed: {e}")
+        variants = None
+        if later and self._workers is not None:
+            variants = self._workers.handoff(
+                lambda: restore(self.root, [files[i] for i in later], [entry.binaries[i] for i in later],
+                                valid_file))
         try:
             program = build.from_source()
         except BaseException:
             unrestore(self.root, placed)
+            if variants is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    unrestore(self.root, variants.result())
             raise
+        if variants is not None:
+            try:
+                placed = placed.plus(variants.result())
+            except (OSError, ValueError) as e:  # taken back by restore: those launches compile
+                self._warn_once("restore", f"could not restore pocl's kernel cache ({e}); launches compile")
         used = tuple(f for f in folders if moved(self.root, f, marks[f]))
         if used:
             return Hit(HitOutcome.USED, program, "", used)
