@@ -453,3 +453,23 @@ def test_restore_failure_keeps_the_entry(cache_dir, tmp_path):
     s = out["stats"]
     assert (s["hits"], s["misses"], s["rejected"]) == (0, 1, 0)
     assert Store(cache_dir).load(first["key"]) is not None
+
+
+def test_a_variant_that_cannot_be_restored_costs_its_launch_a_compile_not_the_hit(cache_dir, tmp_path):
+    # The variants are written while pocl builds (a writer thread); failing there (a link
+    # planted where the kernel's folder goes: never followed) leaves the hit a hit, says so
+    # once, and the launch compiles the variant as pocl does without a cache.
+    first = child_json(run_child(RUN, str(cache_dir), "variant-fails"))
+    files = Store(cache_dir).load(first["key"]).meta["files"]
+    kernel_dir = next(f for f in files if f.count("/") > 2).rsplit("/", 2)[0]
+    node, elsewhere = tmp_path / "node", tmp_path / "elsewhere"
+    (node / kernel_dir).parent.mkdir(parents=True)
+    elsewhere.mkdir()
+    (node / kernel_dir).symlink_to(elsewhere)
+    proc = run_child(RUN, str(cache_dir), "variant-fails", pocl_cache=node)
+    out = child_json(proc)
+    assert out["ok"]
+    assert (out["stats"]["hits"], out["stats"]["misses"], out["stats"]["rejected"]) == (1, 0, 0)
+    assert "could not restore pocl's kernel cache" in proc.stderr and "launches compile" in proc.stderr
+    assert (node / kernel_dir.rsplit("/", 1)[0] / pocl.PROGRAM_FILE).is_file()  # the build's file was
+    assert not [p for p in elsewhere.rglob("*") if p.name.startswith(cachefiles.TMP_PREFIX)]

@@ -265,3 +265,40 @@ def test_a_driver_that_raises_in_fetch_ends_the_job_as_a_failure(store: Store, m
     assert (s.errors, s.writes, s.pending) == (1, 0, 0)
     assert not pipeline.holds_claim(job) and store.load(job.key) is None
     assert [str(e) for e in pipeline.take_errors()] == ["driver bug"]
+
+
+def test_a_handoff_runs_once_on_a_worker_or_on_the_caller_that_cannot_wait_for_one():
+    import threading
+
+    from asyncclcache.workers import Handoff
+
+    workers = Workers(1, "test-handoff", lambda e: None)
+    release = threading.Event()
+    try:
+        # The only worker is busy: the caller runs the task itself, at once.
+        workers.submit(release.wait)
+        ran_on: list[str] = []
+        task = workers.handoff(lambda: ran_on.append(threading.current_thread().name) or 7)
+        assert task.result() == 7 and ran_on == [threading.current_thread().name]
+        release.set()
+        # Free again: a worker takes it, the caller waits for its value; once in all.
+        started, go = threading.Event(), threading.Event()
+
+        def slow() -> str:
+            started.set()
+            go.wait(10)
+            ran_on.append(threading.current_thread().name)
+            return "done"
+
+        task = workers.handoff(slow)
+        assert started.wait(10)
+        threading.Timer(0.05, go.set).start()
+        assert task.result() == "done" and task.result() == "done"
+        assert ran_on[1:] == ["test-handoff-0"]
+    finally:
+        release.set()
+        workers.stop(10)
+    # An error is the caller's, from result().
+    failing = Handoff(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result()

@@ -308,10 +308,12 @@ class _CEnviron:
         size = ctypes.sizeof(ctypes.c_void_p)
         stamp = base.to_bytes(8, sys.byteorder) + ctypes.string_at(base, (len(items) + 1) * size)
         decoded: dict[str, str] = {}
+        # os.fsdecode's codec, without its per-call overhead (a first build reads them all).
+        enc, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
         for item in items:
             name, eq, value = item.partition(b"=")
-            if eq and name:
-                decoded.setdefault(os.fsdecode(name), os.fsdecode(value))  # getenv: the first
+            if eq and name:  # getenv: the first
+                decoded.setdefault(name.decode(enc, errors), value.decode(enc, errors))
         with self._lock:
             self._count, self._stamp, self._decoded = len(items), stamp, decoded
         return stamp, decoded

@@ -41,7 +41,7 @@ class Handoff:
             self._claimed = True
         try:
             self._value = self._fn()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - the caller of result() gets it
             self._error = e
         finally:
             self._done.set()

@@ -117,8 +117,11 @@ def restore(
     (:class:`~asyncclcache.fileio.InsecurePathError`). Raises ``OSError`` (the caller
     builds from source); what was written before the error is taken back.
     """
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | CLOEXEC)
+    try:
+        rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | CLOEXEC)
+    except FileNotFoundError:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | CLOEXEC)
     dirs: dict[str, int] = {"": rootfd}
     made: list[str] = []
     placed: list[tuple[str, int]] = []
