@@ -17,8 +17,10 @@ query, no generic variant, no other process.
 * **Snapshot**: the folder's files, once every kernel has a variant compiled since the
   build (the first launches), else after :data:`SETTLE_SECONDS`, at a step's end or at
   ``flush()``. Only files of ours, bounded in size (:func:`~.folders.folder_files`).
-* **Hit**: write the missing files into pocl's cache (:func:`~.cachefiles.restore`), do
-  the plain source build, and check that pocl touched the folder: ``last_accessed``
+* **Hit**: write the missing files into pocl's cache (:func:`~.cachefiles.restore`): the
+  program's bitcode before the build, the kernels' variants on a writer thread during it
+  (read at the first launch; waited for before ``build()`` returns). Do the plain source
+  build, and check that pocl touched the folder: ``last_accessed``
   appeared or changed (no clock involved; :func:`~.folders.mark` first sets an
   existing one back). If it did not, what we wrote is removed and the build is a plain
   miss. The entry is kept, since the cause may be a setting (pocl's cache elsewhere or
@@ -109,7 +111,9 @@ class KcacheDriver(BackgroundDriver):
 
     ``root`` is pocl's kernel cache directory as pocl found it when it started
     (:func:`asyncclcache.platforms.pocl.kernel_cache_dir`), fixed for the driver's life;
-    ``layout``, pocl's (its CPU devices) or its CUDA device's (no launch adds a file).
+    ``layout``, pocl's (its CPU devices) or its CUDA device's (no launch adds a file);
+    ``workers``, the cache's writer threads, where a hit writes its kernels' variants while
+    pocl builds (``None``: on the caller's thread, before the build).
     """
 
     name = "kcache"
@@ -122,7 +126,7 @@ class KcacheDriver(BackgroundDriver):
 
     def __init__(self, root: Path, layout: Layout = pocl.LAYOUT, workers: Workers | None = None) -> None:
         self.root = self.node_root = root
-        self._workers = workers  # a hit's launch files are written there during its build
+        self._workers = workers
         #: Whether launches add variants to a folder (a snapshot waits for them): pocl's
         #: CPU devices; its CUDA device's build writes every file (F27).
         self.launches_add = layout.launches_add
