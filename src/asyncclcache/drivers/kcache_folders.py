@@ -246,20 +246,22 @@ class KcacheDriver(BackgroundDriver):
         # What the build reads (the bitcode) is written before it; the variants, read at
         # the first launch, on a writer thread while pocl builds (the GIL released), and
         # waited for before the build returns: a launch finds them whichever thread wrote them.
-        later = [i for i, f in enumerate(files) if self._workers is not None and at_launch(f)]
-        now = sorted(set(range(len(files))) - set(later))
+        workers = self._workers
+        now: list[tuple[str, bytes]] = []
+        later: list[tuple[str, bytes]] = []
         try:
-            placed = restore(self.root, [files[i] for i in now], [entry.binaries[i] for i in now], valid_file)
+            for f, blob in zip(files, entry.binaries, strict=True):
+                (later if workers is not None and at_launch(f) else now).append((f, blob))
+            placed = restore(self.root, [f for f, _ in now], [blob for _, blob in now], valid_file)
         except (OSError, ValueError) as e:
             # Our I/O failed, or pocl's cache holds what we must not write into: not the
             # entry's fault. Build from source without restoring.
             self._warn_once("restore", f"could not restore pocl's kernel cache ({e}); built from source")
             return Hit(HitOutcome.NOT_RESTORED, build.from_source(), f"restore failed: {e}")
         variants = None
-        if later and self._workers is not None:
-            variants = self._workers.handoff(
-                lambda: restore(self.root, [files[i] for i in later], [entry.binaries[i] for i in later],
-                                valid_file))
+        if later and workers is not None:
+            variants = workers.handoff(
+                lambda: restore(self.root, [f for f, _ in later], [blob for _, blob in later], valid_file))
         try:
             program = build.from_source()
         except BaseException:
