@@ -258,6 +258,44 @@ def test_refresh_rewrites_only_when_a_folder_gained_a_variant(cl_ctx, cache_dir,
     cache.close()
 
 
+def _until(cond, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_variant_launched_while_the_snapshot_is_being_written_reaches_the_entry(
+    cl_ctx, cache_dir, open_cache
+):
+    # Under load, a snapshot taken before a launch may still be on its way when flush()
+    # asks for refreshes: its job is rechecked where its write ends, before the wait ends.
+    import threading
+
+    cache = open_cache(cache_dir)
+    # A kernel of its own: pocl's folder is new (a comment is no new program for pocl).
+    prg = acc.Program(cl_ctx, small_source("on_its_way"), cache=cache).build()
+    driver, workers = cache.drivers["kcache"], cache._workers
+    _until(lambda: driver._waiting)  # claimed; the snapshot waits for the first launch
+    gate = threading.Event()
+    for _ in workers._threads:  # every writer held
+        workers.submit(gate.wait)
+    _until(lambda: workers._queue.qsize() == 0)
+    driver.hurry()  # the snapshot now, before any launch: its write queued behind the gate
+    _until(lambda: not driver._waiting and workers._queue.qsize() == 1)
+    assert run_twice(cl_ctx, prg, "on_its_way", local_size=(4,))  # a variant the snapshot lacks
+    assert not cache.flush(0.05)  # asks for refreshes while the snapshot is in flight
+    gate.set()
+    assert cache._pipeline.wait(60)  # the rest of that flush's wait
+    s = cache.stats()
+    assert (s.writes, s.refreshes) == (2, 1), s
+    entry = Store(cache_dir).load(prg.cache_key)
+    assert entry is not None and any("/4-1-1" in f for f in entry.meta["files"]), entry.meta["files"]
+    assert cache.flush(60) and cache.stats().writes == 2  # nothing more to rewrite
+
+
 def test_a_hit_that_compiles_a_new_variant_refreshes_its_entry(cache_dir):
     first = child_json(run_child(RUN, str(cache_dir), "hit-refresh"))
     built_in = Store(cache_dir).load(first["key"]).meta.cwd

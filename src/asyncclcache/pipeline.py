@@ -80,6 +80,8 @@ class Pipeline:
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._inflight: set[str] = set()
         self._refreshable: set[str] = set()
+        # Keys in flight at a refresh: checked again where their fetch ends (_end).
+        self._recheck: set[str] = set()
         # key -> the entry file this process wrote last (the newest MAX_JOBS keys).
         self._wrote: OrderedDict[str, tuple[int, ...] | None] = OrderedDict()
         self._errors: list[BaseException] = []
@@ -201,6 +203,9 @@ class Pipeline:
             if self._closed:
                 return
             jobs = [self._jobs[k] for k in self._refreshable if k not in self._inflight and k in self._jobs]
+            # A snapshot on its way may predate a launch: checked again where it ends,
+            # before a flush's wait can see nothing pending.
+            self._recheck.update(k for k in self._inflight if k in self._jobs)
         by_driver: dict[int, list[Job]] = {}
         for job in jobs:
             by_driver.setdefault(id(job.driver), []).append(job)
@@ -335,6 +340,7 @@ class Pipeline:
     def _end(self, job: Job, end: _End, error: BaseException | None = None) -> None:
         """Where every fetch ends, whatever its way: the claim released, the outcome
         counted, the job no longer pending. Called once per :meth:`fetch` that counted."""
+        again = False
         try:
             track = self._track(job)
             claim, track.claim = track.claim, None
@@ -349,12 +355,30 @@ class Pipeline:
                 self._write_failed(job, error.error)
             elif error is not None:
                 self.error(error)
+            again = end is _End.DONE and error is None and self._stale_since_refresh(job)
         finally:
             with self._idle:
-                self._pending -= 1
-                self._inflight.discard(job.key)
-                if self._pending == 0:
-                    self._idle.notify_all()
+                self._recheck.discard(job.key)
+                if again and not self._closed:
+                    # The refresh takes this fetch's place: still pending, still in flight
+                    # (queued under the lock: close() comes first, then the workers stop).
+                    self.workers.submit(self._start, job, Purpose.REFRESH)
+                else:
+                    self._pending -= 1
+                    self._inflight.discard(job.key)
+                    if self._pending == 0:
+                        self._idle.notify_all()
+
+    def _stale_since_refresh(self, job: Job) -> bool:
+        # A refresh skipped this job while its fetch was in flight: has it gained variants?
+        with self._lock:
+            if job.key not in self._recheck or self._closed or job.key not in self._refreshable:
+                return False
+        try:
+            return bool(job.driver.stale([job]))
+        except Exception:  # a listing that failed: the next flush asks again
+            logger.info("asyncclcache: could not check %s for new variants", job.key[:12], exc_info=True)
+            return False
 
     def _write_failed(self, job: Job, e: OSError) -> None:
         self.counters.add("write_errors")
