@@ -14,7 +14,13 @@ node (empty pocl kernel cache):
   (every later CI run);
 * ``unbaked``: the same without the binaries the cold run's idle baker made, and no idle
   baking (what a machine whose cores are all busy gets: its idle baker never runs);
-* ``baked``: that directory after ``asyncclcache bake`` (docs/ci.md's last step).
+* ``baked``: that directory after ``asyncclcache bake`` (docs/ci.md's last step);
+* ``busy cold``: ``cold`` with no idle core (``ASYNCCLCACHE_BAKE=exit``: what ``auto`` comes to
+  in a CI job whose cores are all busy, ``pytest -n auto``): nothing baked during the run,
+  what it wrote baked as it exits;
+* ``busy next``: a new machine on the directory ``busy cold`` saved.
+
+Every run with asyncclcache has ``CI=true``, as a CI job has (``auto`` bakes at exit there).
 
 Timed: the whole pytest process; and the seconds spent inside ``Program.build`` (a plugin
 times pyopencl's ``Program.build``). Ratios are each sitting's runs against each other,
@@ -35,13 +41,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ["none", "cold", "pocl folder", "new machine", "unbaked", "baked"]
+MODES = ["none", "cold", "pocl folder", "new machine", "unbaked", "baked", "busy cold", "busy next"]
 FILES = ["test_array.py", "test_clmath.py"]
 QUICK_FILES = ["test_clmath.py"]
 #: (row, against, target): issue 42's targets, ratios of whole runs of one sitting.
 TARGETS: list[tuple[str, str, float | None]] = [
     ("cold", "none", 1.02), ("new machine", "pocl folder", 0.90), ("unbaked", "pocl folder", None),
-    ("baked", "pocl folder", 0.75)]
+    ("baked", "pocl folder", 0.75), ("busy cold", "none", None), ("busy next", "pocl folder", 0.90)]
 
 TIMER = r'''
 import sys, time, pytest
@@ -97,7 +103,7 @@ def _run(runner: Any, tests: Path, files: list[str], node: dict[str, str], acc_d
          logs: Path, label: str, **more: str) -> dict[str, Any]:
     extra = {"PYOPENCL_TEST": "portable", "PYTHONPATH": str(tests), **more}
     if acc_dir is not None:
-        extra.update(ASYNCCLCACHE_INSTALL="1", ASYNCCLCACHE_DIR=acc_dir, ASYNCCLCACHE_STATS="1")
+        extra.update(ASYNCCLCACHE_INSTALL="1", ASYNCCLCACHE_DIR=acc_dir, ASYNCCLCACHE_STATS="1", CI="true")
     env = runner.env(None, node, **extra)  # PYTHONPATH: the repository's src, then the tests
     log = logs / f"cisuite-{label}.log"
     t0 = time.perf_counter()
@@ -176,6 +182,11 @@ def measure_cisuite(runner: Any, reps: int, log: Any, save: Any, *, quick: bool 
         if not quick:  # the quick run: the question CI asks, a new machine against pocl's folder
             r["cold"]["bake_s"] = _bake(runner, acc_dir)  # what asyncclcache bake took after it
             r["baked"] = _run(runner, tests, files, runner.node(), acc_dir, logs, f"baked-{rep}")
+            busy = runner.fresh("cisuite-busy")
+            r["busy cold"] = _run(runner, tests, files, runner.node(), busy, logs, f"busy-cold-{rep}",
+                                  ASYNCCLCACHE_BAKE="exit")
+            r["busy cold"]["entries"] = count_entries(busy)
+            r["busy next"] = _run(runner, tests, files, runner.node(), busy, logs, f"busy-next-{rep}")
         for m, one in r.items():
             out["runs"][m].append(one)
         log(f"cisuite sitting {rep + 1}: " + ", ".join(
@@ -219,8 +230,13 @@ def table_md(res: dict[str, Any]) -> str:
         bake = cold[-1].get("bake_s")
         lines += ["", f"The cold run (last sitting) left {plain} entries, {baked} of them baked (idle baking)"
                   + (f"; `asyncclcache bake` then took {bake:.1f} s." if bake is not None else ".")]
-    last = res["runs"]["new machine"][-1:] + res["runs"]["baked"][-1:]
-    for m, r in zip(("new machine", "baked"), last, strict=False):
+    busy = res["runs"].get("busy cold") or []
+    if busy and busy[-1].get("entries"):
+        plain, baked = busy[-1]["entries"]
+        lines += ["", f"The busy cold run (last sitting) left {plain} entries, {baked} of them baked "
+                  "(at its exit)."]
+    for m in ("new machine", "baked", "busy cold", "busy next"):
+        r = (res["runs"].get(m) or [{}])[-1]
         if r.get("summary"):
             lines += ["", f"{m}, last sitting: `{r['summary']}`"]
     return "\n".join(lines)

@@ -279,6 +279,56 @@ print(json.dumps({"first": first, "last": last, "ok": ok, "sent": cache._baker.s
 """
 
 
+# Builds and launches programs twice<i>, closes the cache (as at exit), reports its counters.
+# ONE_CORE=1: on one core, where ``auto`` bakes nothing on idle cores.
+CLOSING = r"""
+import json, os, sys, time
+if os.environ.get("ONE_CORE") == "1":
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+import pyopencl as cl, asyncclcache as acc
+from kernels import small_source, run_twice
+from _pocl import pocl_context
+ctx = pocl_context()
+cache = acc.Cache(sys.argv[1], rank_local=False)
+prgs = [acc.Program(ctx, small_source(f"twice{i}", salt="bake"), cache=cache).build() for i in range(int(sys.argv[2]))]
+ok = all(run_twice(ctx, p, f"twice{i}", local_size=(64,)) for i, p in enumerate(prgs))
+cache.close()
+print(json.dumps({"ok": ok, "keys": [p.cache_key for p in prgs], **cache.stats().as_dict()}))
+"""
+
+
+@pytest.mark.parametrize(("bake", "ci", "baked"), [("auto", "true", True), ("auto", "", False),
+                                                   ("exit", "", True), ("idle", "true", False)])
+def test_what_no_idle_core_baked_is_baked_as_the_cache_closes_in_a_ci_job(
+        cache_dir: Path, tmp_path: Path, bake: str, ci: str, baked: bool) -> None:
+    # One core: no idle baking under auto. In a CI job (CI set) or with ``exit``, the entries
+    # are baked before the process ends, and the next run on a new machine loads binaries.
+    (tmp_path / "tmp").mkdir()
+    env = {"ASYNCCLCACHE_BAKE": bake, "CI": ci, "ONE_CORE": "1", "TMPDIR": str(tmp_path / "tmp")}
+    cold = child_json(run_child(CLOSING, str(cache_dir), "2", pocl_cache=tmp_path / "cold", env=env))
+    assert cold["ok"] and (cold["misses"], cold["writes"]) == (2, 2), cold
+    assert cold["baked_at_exit"] == (2 if baked else 0), cold
+    assert set(_baked(cache_dir)) == (set(cold["keys"]) if baked else set())
+    assert list((tmp_path / "tmp").glob("acc-bake-*")) == []  # the workers' pocl caches
+    if baked:
+        warm = _run(cache_dir, tmp_path / "warm")
+        assert (warm["hits"], warm["baked_hits"]) == (2, 2), warm
+        assert warm["built"] == warm["launched"], set(warm["launched"]) - set(warm["built"])
+
+
+def test_a_bake_at_close_that_runs_out_of_time_leaves_the_rest_unbaked_and_whole(
+        cache_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "tmp").mkdir()
+    env = {"ASYNCCLCACHE_BAKE": "exit", "ASYNCCLCACHE_EXIT_BAKE_TIMEOUT": "0.000001",
+           "TMPDIR": str(tmp_path / "tmp")}
+    cold = child_json(run_child(CLOSING, str(cache_dir), "2", pocl_cache=tmp_path / "cold", env=env))
+    assert cold["ok"] and cold["writes"] == 2 and cold["baked_at_exit"] == 0, cold
+    assert _baked(cache_dir) == {}  # every entry loads (_baked checks): none half-written
+    assert list((tmp_path / "tmp").glob("acc-bake-*")) == []
+    # What was left is baked by the next bake.
+    assert _bake(cache_dir)["baked"] == 2
+
+
 def test_a_program_built_again_loads_what_the_idle_baker_baked_from_its_hit(
         cache_dir: Path, tmp_path: Path) -> None:
     cold = _run(cache_dir, tmp_path / "cold", n=3)

@@ -324,3 +324,21 @@ def test_idle_baking_is_on_by_default_but_in_a_jobs_ranks_and_on_one_core(monkey
     assert not auto.bakes_idle(None)
     assert config.Config.from_env({"ASYNCCLCACHE_BAKE": "idle"}).bakes_idle(0)
     assert not config.Config.from_env({"ASYNCCLCACHE_BAKE": "off"}).bakes_idle(None)
+
+
+def test_a_bake_at_exit_is_for_ci_jobs_and_exit_not_for_ranks_nor_other_machines() -> None:
+    from asyncclcache import config
+
+    def at_exit(env: dict[str, str], rank: int | None = None) -> bool:
+        return config.Config.from_env(env).bakes_at_exit(rank)
+
+    assert at_exit({"CI": "true"}) and at_exit({"CI": "1"}) and at_exit({"ASYNCCLCACHE_BAKE": "exit"})
+    assert not at_exit({}) and not at_exit({"CI": "false"}) and not at_exit({"CI": ""})
+    assert not at_exit({"CI": "true"}, rank=0) and not at_exit({"ASYNCCLCACHE_BAKE": "exit"}, rank=3)
+    assert not at_exit({"CI": "true", "ASYNCCLCACHE_BAKE": "idle"})
+    assert not at_exit({"CI": "true", "ASYNCCLCACHE_BAKE": "off"})
+    assert not at_exit({"CI": "true", "ASYNCCLCACHE_EXIT_BAKE_TIMEOUT": "0"})
+    assert config.Config.from_env({"ASYNCCLCACHE_EXIT_BAKE_TIMEOUT": "30"}).exit_bake_timeout == 30.0
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(ValueError, match="ASYNCCLCACHE_EXIT_BAKE_TIMEOUT"):
+            config.Config.from_env({"ASYNCCLCACHE_EXIT_BAKE_TIMEOUT": bad})

@@ -435,7 +435,7 @@ def bake(
 
 def _run(
     todo: list[tuple[tuple[str, bool, int | None], str]], jobs: int, result: BakeResult, *,
-    progress: Callable[[BakeResult], object], priority: str,
+    progress: Callable[[BakeResult], object], priority: str, deadline: float | None = None,
 ) -> None:
     from . import system
 
@@ -450,6 +450,9 @@ def _run(
             t.start()
         for _ in todo:  # each item gets one answer
             while True:
+                if deadline is not None and time.monotonic() >= deadline:
+                    result.interrupted = True  # what is left stays unbaked
+                    return
                 try:
                     status, why = answers.get(timeout=0.5)  # a Ctrl-C interrupts between waits
                     break
@@ -585,8 +588,11 @@ class IdleBaker:
     loads it. Started on the first key. Thread-safe."""
 
     def __init__(self, store: Store, count: Callable[[str, int], object] | None = None,
-                 on_baked: Callable[[str], object] | None = None) -> None:
+                 on_baked: Callable[[str], object] | None = None, *, idle: bool = True) -> None:
+        self._store = store
         self._where = [str(store.base), str(int(store.rank_local)), "" if store.rank is None else str(store.rank)]
+        #: Whether a helper bakes during the run; else keys are only kept for :meth:`bake_rest`.
+        self._idle = idle
         self._count = count
         self._on_baked = on_baked
         self._lock = threading.Lock()
@@ -596,6 +602,7 @@ class IdleBaker:
         self._fd: int | None = None  # the key pipe's write end, non-blocking
         self._baked_fd: int | None = None  # the read end of the keys it baked, non-blocking
         self._sent: set[str] = set()  # keys handed over (a key is baked once a process)
+        self._baked: set[str] = set()  # of those, the keys the helper says it baked
         self._pending = b""  # a line of the helper's not read whole yet
         self._dir: Path | None = None  # its pocl cache, made and removed here
         self.sent = 0
@@ -611,7 +618,10 @@ class IdleBaker:
                 return
             if len(self._sent) >= MAX_SENT:  # a code generator's thousands: a key again is skipped there
                 self._sent.clear()
+                self._baked.clear()
             self._sent.add(key)
+            if not self._idle:
+                return  # kept for bake_rest
             if self._state == "new":
                 self._state = "starting"
                 threading.Thread(target=self._gate, name="asyncclcache-bake-gate", daemon=True).start()
@@ -798,6 +808,8 @@ class IdleBaker:
                 key = line.decode(errors="replace").strip()
                 with self._lock:
                     sent = key in self._sent
+                    if sent:
+                        self._baked.add(key)
                 if sent and self._on_baked is not None:
                     self._on_baked(key)
 
@@ -816,6 +828,31 @@ class IdleBaker:
         """Kill the helper and its children, whatever they are doing (its publishes are
         atomic), and remove its pocl cache. Never waits on the helper. Idempotent."""
         self._end("closed")
+
+    def bake_rest(self, seconds: float, jobs: int) -> BakeResult | None:
+        """At exit (the cache closes): kill the helper, then bake here, in ``jobs`` worker
+        processes for up to ``seconds``, the keys handed over that have no baked binary yet
+        (one baked before its entry gained variants still serves: not baked again). What is
+        left stays unbaked; every entry stays whole. Ctrl-C stops the workers at once and
+        raises. ``None`` where nothing was left. Called once, by the closing thread."""
+        deadline = time.monotonic() + seconds
+        self.close()
+        with self._lock:
+            keys = [k for k in self._sent if k not in self._baked]
+        store = self._store
+        if not keys or not store.writable:
+            return None
+        # Each a stat or a read of the baked binary's head: no scan of the directory.
+        keys = [k for k in keys if store.read_meta(store.path_for(baked_key(k))) is None]
+        if not keys:
+            return None
+        where = (os.path.abspath(store.base), store.rank_local, store.rank)
+        result = BakeResult()
+        t0 = time.monotonic()
+        _run([(where, k) for k in keys], max(1, min(jobs, len(keys))), result, progress=lambda r: None,
+             priority="nice", deadline=deadline)
+        result.seconds = time.monotonic() - t0
+        return result
 
     def forget_after_fork(self) -> None:
         """In a forked child: close this process's copies of the parent's pipes (the helper

@@ -249,6 +249,8 @@ class Cache:
         self.max_size = parse_size(max_size) if max_size is not None else cfg.max_size
         self.store = Store(directory, rank_local=rank_local, count=self._count)
         self._bake_idle = cfg.bakes_idle(self.store.rank)
+        #: Seconds a bake at close may take (0: none here; ``ASYNCCLCACHE_BAKE``).
+        self._exit_bake = cfg.exit_bake_timeout if cfg.bakes_at_exit(self.store.rank) else 0.0
         self._nworkers = max(1, workers)
         self._start_fresh()
         #: The node's ranks compile each program once (:mod:`.nodecompile`), or ``None``.
@@ -277,17 +279,19 @@ class Cache:
             self._nworkers, "asyncclcache-writer", self._background_error,
             lambda s: self._counters.add("background_cpu_seconds", s),
         )
-        #: Bakes the entries written here on idle cores (``ASYNCCLCACHE_BAKE``). Not in a pool's
-        #: worker (:func:`_pool_worker`): one a core, like a job's ranks, and ended with
-        #: ``os._exit`` or a kill, which would leave a helper's folder behind.
+        #: Bakes the entries written or hit here on idle cores, and what is left at close
+        #: (``ASYNCCLCACHE_BAKE``). Not in a pool's worker (:func:`_pool_worker`): one a core,
+        #: like a job's ranks, and ended with ``os._exit`` or a kill, which would leave a
+        #: helper's folder behind.
         old = getattr(self, "_baker", None)
         if old is not None:
             old.forget_after_fork()  # the parent's: its pipes closed here, its helper left alone
         self._baker: IdleBaker | None = None
-        if self._bake_idle and self.store.writable and not _pool_worker():
+        if (self._bake_idle or self._exit_bake) and self.store.writable and not _pool_worker():
             from .bake import IdleBaker  # off the import path of a warm start
 
-            self._baker = IdleBaker(self.store, self._counters.add, on_baked=self._baked_now)
+            self._baker = IdleBaker(self.store, self._counters.add, on_baked=self._baked_now,
+                                    idle=self._bake_idle)
         self._pipeline = Pipeline(self.store, self._workers, self._counters, max_size=self.max_size,
                                   on_written=self._written)
 
@@ -367,8 +371,31 @@ class Cache:
             # Ctrl-C (or a failure) in the wait: stop at once; no later close retries.
             self._stop(grace=0.0)
             raise
+        try:
+            self._bake_rest()
+        except BaseException:
+            self._stop(grace=0.0)
+            raise
         self._stop(grace=1.0)
         return done
+
+    def _bake_rest(self) -> None:
+        # At close, where this process bakes at exit (a CI job saves the directory next):
+        # what it wrote or hit that no idle core baked, now, bounded. Entries are whole.
+        baker = self._baker
+        if baker is None or not self._exit_bake:
+            return
+        from . import system
+
+        # pytest-xdist's workers each bake their own at once: the cores shared among them.
+        workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+        jobs = max(1, system.usable_cores() // (int(workers) if workers.isdigit() and int(workers) else 1))
+        result = baker.bake_rest(self._exit_bake, jobs)
+        if result is None:
+            return
+        self._counters.add("baked_at_exit", result.baked)
+        logger.info("asyncclcache: at exit, %s%s", result.line(),
+                    "" if not result.interrupted else f" (ASYNCCLCACHE_EXIT_BAKE_TIMEOUT={self._exit_bake:g} s)")
 
     def _stop(self, grace: float) -> None:
         # Drop what is pending (jobs end as no-ops; entries are written atomically, so

@@ -16,8 +16,12 @@
 ``ASYNCCLCACHE_INSTALL``        ``1``: ``install()`` at interpreter start-up (:mod:`._startup`)
 ``ASYNCCLCACHE_STATS``          ``1``: one summary line at exit (:mod:`.summary`)
 ``ASYNCCLCACHE_BAKE``           ``idle``: bake entries on idle cores during the run (:mod:`.bake`);
-                                ``auto`` (the default): the same, but not in one of a job's
-                                ranks nor on a single core; ``off``
+                                ``exit``: what this process wrote or hit and is not baked yet,
+                                when its cache closes (at exit); ``auto`` (the default): ``idle``,
+                                but not in one of a job's ranks nor on a single core, and
+                                ``exit`` too where ``CI`` is set (a CI job); ``off``
+``ASYNCCLCACHE_EXIT_BAKE_TIMEOUT`` seconds a bake at exit may take (default 600); the rest
+                                stays unbaked, every entry whole
 =============================== ===================================================
 """
 
@@ -67,9 +71,12 @@ def strategy_in_use(name: str) -> str:
         warnings.warn(f"asyncclcache: strategy {name!r} is gone: {why}; using auto instead",
                       RemovedStrategyWarning, stacklevel=3)
     return "auto"
-BAKE_MODES = ("off", "idle", "auto")
+BAKE_MODES = ("off", "idle", "exit", "auto")
 #: ``ASYNCCLCACHE_BAKE`` where it is not set (docs/design.md, "Baking").
 DEFAULT_BAKE = "auto"
+#: Seconds a bake at exit may take (``ASYNCCLCACHE_EXIT_BAKE_TIMEOUT``): pyopencl's own
+#: test_array.py and test_clmath.py (451 entries) bake in about a minute on 2 cores.
+DEFAULT_EXIT_BAKE_TIMEOUT = 600.0
 #: ``auto`` bakes on idle cores from this many cores (CPUs this process may run on) up: one
 #: core is never idle beside the process. On 2 cores a test suite's cold run baked 39 of its
 #: 40 entries and ran in 0.90 of its time without a cache (bench ``suite``, issue 35).
@@ -142,6 +149,9 @@ class Config:
     install: bool = False
     stats: bool = False
     bake: str = DEFAULT_BAKE
+    #: A CI job runs this process (``CI`` set, as GitHub Actions, GitLab CI and others set it).
+    ci: bool = False
+    exit_bake_timeout: float = DEFAULT_EXIT_BAKE_TIMEOUT
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str] | None = None) -> Config:
@@ -162,6 +172,11 @@ class Config:
         bake = e.get("ASYNCCLCACHE_BAKE", DEFAULT_BAKE).strip().lower() or DEFAULT_BAKE
         if bake not in BAKE_MODES:
             raise ValueError(f"ASYNCCLCACHE_BAKE: expected one of {BAKE_MODES}, got {bake!r}")
+        exit_bake_timeout = _number(e, "ASYNCCLCACHE_EXIT_BAKE_TIMEOUT", str(DEFAULT_EXIT_BAKE_TIMEOUT), float,
+                                    "seconds")
+        if not (math.isfinite(exit_bake_timeout) and exit_bake_timeout >= 0):
+            raise ValueError(f"ASYNCCLCACHE_EXIT_BAKE_TIMEOUT: expected a finite number of seconds >= 0, "
+                             f"got {e.get('ASYNCCLCACHE_EXIT_BAKE_TIMEOUT')!r}")
         try:
             max_size = parse_size(e.get("ASYNCCLCACHE_MAX_SIZE") or None)  # empty: unset
         except ValueError as err:
@@ -190,6 +205,9 @@ class Config:
             install=bool(parse_bool(e.get("ASYNCCLCACHE_INSTALL"), name="ASYNCCLCACHE_INSTALL")),
             stats=bool(parse_bool(e.get("ASYNCCLCACHE_STATS"), name="ASYNCCLCACHE_STATS")),
             bake=bake,
+            # Any value but an empty or false one: CI systems set "true", some "1" or "yes".
+            ci=(e.get("CI") or "").strip().lower() not in ("", "0", "false", "no", "off"),
+            exit_bake_timeout=exit_bake_timeout,
         )
 
     def bakes_idle(self, rank: int | None) -> bool:
@@ -201,6 +219,14 @@ class Config:
         from .system import usable_cores  # off the import path of a warm start
 
         return rank is None and usable_cores() >= AUTO_BAKE_CORES
+
+    def bakes_at_exit(self, rank: int | None) -> bool:
+        """Whether a cache bakes, when it closes, what it wrote or hit unbaked: ``exit``;
+        ``auto`` in a CI job (``CI``), where the directory is saved after the run. Never in
+        one of a job's ranks (``rank``), nor with a timeout of 0."""
+        if rank is not None or self.exit_bake_timeout <= 0:
+            return False
+        return self.bake == "exit" or (self.bake == "auto" and self.ci)
 
 
 def _path(env: Mapping[str, str], name: str) -> str | None:

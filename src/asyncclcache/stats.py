@@ -98,6 +98,7 @@ class Stats:
     baked_hits: int = _counter("hits served by a baked binary (asyncclcache bake)")
     bakes_dropped: int = _counter("baked binaries refused at a hit, dropped")
     bakes_not_queued: int = _counter("entries the idle baker could not take (busy, or off here): bake later")
+    baked_at_exit: int = _counter("entries baked as the cache closed (ASYNCCLCACHE_BAKE=exit; auto in CI)")
     refreshes: int = _counter("entries rewritten because the program gained variants")
     skipped: int = _counter("writes left to another process that held the key, or dropped at shutdown")
     rejected: int = _counter("stored binaries the driver refused (rebuilt from source)")
