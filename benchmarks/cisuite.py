@@ -12,8 +12,8 @@ node (empty pocl kernel cache):
 * ``pocl folder``: no asyncclcache, ``none``'s ``POCL_CACHE_DIR`` restored (the alternative);
 * ``new machine``: asyncclcache on ``cold``'s directory as saved at the end of the run
   (every later CI run);
-* ``unbaked``: the same without the binaries the cold run's idle baker made, and no idle
-  baking (what a machine whose cores are all busy gets: its idle baker never runs);
+* ``unbaked``: the same without the binaries the cold run's idle baker made, and no baking
+  (what is left where nothing was baked: baking off, or a bake at exit cut by its timeout);
 * ``baked``: that directory after ``asyncclcache bake`` (docs/ci.md's last step);
 * ``busy cold``: ``cold`` with no idle core (``ASYNCCLCACHE_BAKE=exit``: what ``auto`` comes to
   in a CI job whose cores are all busy, ``pytest -n auto``): nothing baked during the run,
