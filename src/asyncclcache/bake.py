@@ -417,8 +417,7 @@ def bake(
             s.mark_baked()  # baked by an earlier release, which wrote no mark: hits look for them
         for why, n in left.items():
             result.skipped[why] = result.skipped.get(why, 0) + n
-        # Absolute: a worker enters each entry's folder for its build.
-        todo += [((os.path.abspath(s.base), s.rank_local, s.rank), k) for k in keys]
+        todo += [(_where(s), k) for k in keys]
     total = len(todo) + result.done
     if todo:
         _run(todo, max(1, min(jobs, len(todo))), result, progress=lambda r: progress and progress(r, total),
@@ -431,6 +430,11 @@ def bake(
             maintenance.upkeep(s, max_size=get_config().max_size)
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _where(store: Store) -> tuple[str, bool, int | None]:
+    # What a worker opens the store by; absolute: a worker enters each entry's folder.
+    return os.path.abspath(store.base), store.rank_local, store.rank
 
 
 def _run(
@@ -846,10 +850,9 @@ class IdleBaker:
         keys = [k for k in keys if store.read_meta(store.path_for(baked_key(k))) is None]
         if not keys:
             return None
-        where = (os.path.abspath(store.base), store.rank_local, store.rank)
         result = BakeResult()
         t0 = time.monotonic()
-        _run([(where, k) for k in keys], max(1, min(jobs, len(keys))), result, progress=lambda r: None,
+        _run([(_where(store), k) for k in keys], max(1, min(jobs, len(keys))), result, progress=lambda r: None,
              priority="nice", deadline=deadline)
         result.seconds = time.monotonic() - t0
         return result

@@ -389,7 +389,7 @@ class Cache:
 
         # pytest-xdist's workers each bake their own at once: the cores shared among them.
         workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-        jobs = max(1, system.usable_cores() // (int(workers) if workers.isdigit() and int(workers) else 1))
+        jobs = max(1, system.usable_cores() // max(1, int(workers) if workers.isdigit() else 1))
         result = baker.bake_rest(self._exit_bake, jobs)
         if result is None:
             return
