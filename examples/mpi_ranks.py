@@ -37,6 +37,7 @@ def main() -> int:
     ctx = cl.create_some_context(interactive=False)
     queue = cl.CommandQueue(ctx)
     cache = acc.Cache(rank_local=args.rank_local or None)
+    comm.Barrier()  # one start for all ranks, so "first result" compares like with like
     t0 = time.perf_counter()
     a = np.arange(4096, dtype=np.float32)
     buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=a)
