@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 MODES = ["acc-ranklocal", "acc-shared", "acc"]
+#: ``--quick``: what the node copies save against reading the shared directory from every rank.
+QUICK_MODES = ["acc-shared", "acc"]
 #: What each mode is, for the report.
 LEGEND = {
     "acc-ranklocal": "a directory per rank (`ASYNCCLCACHE_RANK_LOCAL=1`; the default before)",

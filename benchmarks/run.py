@@ -745,7 +745,9 @@ def main(argv: list[str] | None = None) -> int:
             log.section("nodes")
             import nodes
 
-            modes = nodes.MODES if keep_variants is None else [m for m in nodes.MODES if m in keep_variants]
+            modes = nodes.MODES if full else nodes.QUICK_MODES
+            if keep_variants is not None:
+                modes = [m for m in modes if m in keep_variants]
             use(modes)
             R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
                                              lambda res: save("nodes", res), reps=min(reps, 3),
