@@ -45,15 +45,15 @@ import report  # noqa: E402
 
 #: Single-process variants (report.VARIANTS has them all).
 VARIANTS = ["nocache", "default", "pyopencl", "pyopencl-spec0", "acc", "acc-baked", "acc-thread"]
-QUICK_VARIANTS = ["nocache", "pyopencl", "acc", "acc-baked"]
+QUICK_VARIANTS = ["nocache", "acc", "acc-baked"]
 RANK_VARIANTS = ["nocache", "default", "pyopencl", "acc", "acc-shared"]
 SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpocl", "suite", "cisuite", "firsthit"]
 
 #: Seconds each section took on 2 cores (pocl 3.1): (quick, full at 3 repetitions). What the
 #: bench announces before it starts, where this --out has no earlier run of its own
 #: (report.json's "section_s", which it prefers).
-SECTION_S = {"seed": (33, 240), "multi": (0, 300), "stall": (30, 120), "throughput": (26, 300),
-             "ranks": (24, 270), "nodes": (58, 900), "sharedpocl": (32, 300), "suite": (15, 200),
+SECTION_S = {"seed": (25, 240), "multi": (0, 300), "stall": (24, 120), "throughput": (26, 300),
+             "ranks": (24, 270), "nodes": (38, 900), "sharedpocl": (32, 300), "suite": (15, 200),
              "cisuite": (61, 2640), "firsthit": (8, 25)}
 #: Sections whose full length grows with --reps (the others cap their repetitions).
 _BY_REPS = {"seed", "multi", "sharedpocl", "suite", "cisuite"}
@@ -715,8 +715,7 @@ def main(argv: list[str] | None = None) -> int:
             log.section("stall")
             both = ("tick", "launch")
             cases = {c[0]: both for c in STALL_CASES} if full else {
-                "acc-after-build": both, "acc-thread-after-build": ("launch",),
-                "pyopencl-thread-build": ("launch",)}
+                "acc-after-build": both, "acc-thread-after-build": ("launch",)}
             use([c[1] for c in STALL_CASES if c[0] in cases])
             save("stall", measure_stall(runner, cases, min(reps, 2), seed_args))
         if "throughput" in sections:
