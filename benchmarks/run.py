@@ -624,8 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=1000,
                     help="statements in the seed kernel (1000: about 5 s of pocl compile)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated columns to run (default: all of each section's), e.g. "
-                         "nocache,default,acc,acc-baked")
+                    help="comma-separated columns to run, of all of a section's, --quick or not "
+                         "(default: each section's, fewer with --quick), e.g. nocache,default,acc,acc-baked")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directories")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the children")
     args = ap.parse_args(argv)
@@ -704,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_args = {"n": args.n}
         if "seed" in sections:
             log.section("seed")
-            v = use(VARIANTS if full else QUICK_VARIANTS)
+            v = use(VARIANTS if full or keep_variants is not None else QUICK_VARIANTS)
             save("first_result_seed",
                  measure_first_result(runner, "seed", v, reps, reps, seed_args))
         if "multi" in sections:
@@ -734,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
                 cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
                     os.cpu_count() or 1)
                 ranks = default_ranks(cores) if full else [cores]
-            v = RANK_VARIANTS if full else ["nocache", "acc", "acc-shared"]
+            # --quick: one directory with node copies (acc-shared is the nodes section's question)
+            v = RANK_VARIANTS if full or keep_variants is not None else ["nocache", "acc"]
             if keep_variants is not None:
                 v = [x for x in v if x in keep_variants]
             use([x for x in v if x != "acc-shared"])
@@ -744,8 +745,8 @@ def main(argv: list[str] | None = None) -> int:
             log.section("nodes")
             import nodes
 
-            modes = nodes.MODES if full else nodes.QUICK_MODES
-            if keep_variants is not None:
+            modes = nodes.MODES if full or keep_variants is not None else nodes.QUICK_MODES
+            if keep_variants is not None:  # named: any of the section's modes, quick or not
                 modes = [m for m in modes if m in keep_variants]
             use(modes)
             R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
