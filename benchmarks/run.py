@@ -53,7 +53,7 @@ SECTIONS = ["seed", "multi", "stall", "throughput", "ranks", "nodes", "sharedpoc
 #: bench announces before it starts, where this --out has no earlier run of its own
 #: (report.json's "section_s", which it prefers).
 SECTION_S = {"seed": (25, 240), "multi": (0, 300), "stall": (24, 120), "throughput": (26, 300),
-             "ranks": (24, 270), "nodes": (38, 900), "sharedpocl": (32, 300), "suite": (15, 200),
+             "ranks": (19, 270), "nodes": (38, 900), "sharedpocl": (32, 300), "suite": (15, 200),
              "cisuite": (61, 2640), "firsthit": (8, 25)}
 #: Sections whose full length grows with --reps (the others cap their repetitions).
 _BY_REPS = {"seed", "multi", "sharedpocl", "suite", "cisuite"}
