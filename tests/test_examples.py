@@ -79,10 +79,12 @@ def test_mpi_example_explains_or_runs(cache_dir):
         assert runs[n].returncode == 0, runs[n].stderr
     assert "2 ranks, one shared cache" in runs[2].stdout
     # Cold: a rank that starts late may hit what the other already wrote, so the split of
-    # hits and misses is timing; each program written once, every other miss skipped, is not.
+    # hits and misses is timing. Not timing: each program's first build misses, and every
+    # miss is written or skipped (a refresh at flush may write an entry again).
     hits, misses, writes, skipped = map(int, re.search(
         r"hits (\d+), misses (\d+), writes (\d+), skipped (\d+)", runs[2].stdout).groups())
-    assert hits + misses == 8 and writes == 4 and skipped == misses - writes, runs[2].stdout
+    assert hits + misses == 8 and misses >= 4 and writes >= 4, runs[2].stdout
+    assert writes + skipped >= misses, runs[2].stdout
     assert "4 ranks, one shared cache" in runs[4].stdout and "hits 16, misses 0" in runs[4].stdout
     assert runs[4].stdout.count(str(cache_dir / "v1") + "\n") == 4
     assert "read from the shared directory per node" in runs[4].stdout
