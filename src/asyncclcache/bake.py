@@ -145,10 +145,15 @@ def _pocl_devices() -> list[dict[str, str]] | str:
     return here
 
 
+def _baked_meta(store: Store, key: str) -> EntryMeta | None:
+    # The head of key's baked binary, where there is one: a stat or a read, no scan.
+    return store.read_meta(store.path_for(baked_key(key)))
+
+
 def _baked_fresh(store: Store, key: str, meta: EntryMeta) -> bool:
     from .drivers.folders import lacks
 
-    baked = store.read_meta(store.path_for(baked_key(key)))
+    baked = _baked_meta(store, key)
     return baked is not None and baked.baked_from == key and not lacks(baked.baked_files or (), meta.files or ())
 
 
@@ -846,8 +851,7 @@ class IdleBaker:
         store = self._store
         if not keys or not store.writable:
             return None
-        # Each a stat or a read of the baked binary's head: no scan of the directory.
-        keys = [k for k in keys if store.read_meta(store.path_for(baked_key(k))) is None]
+        keys = [k for k in keys if _baked_meta(store, k) is None]
         if not keys:
             return None
         result = BakeResult()
