@@ -353,10 +353,12 @@ class Cache:
         """Flush for up to ``timeout`` seconds (default: the exit timeout), then stop.
 
         Work still pending is dropped, never half-written; the idle baker is
-        killed. Idempotent: only the first call flushes, even if it was interrupted.
-        Ctrl-C during the flush stops the wait at once, drops what is pending and
-        re-raises the ``KeyboardInterrupt``. Builds after close are plain, uncached
-        builds. Returns what :meth:`flush` returned.
+        killed. Where this process bakes at exit (``ASYNCCLCACHE_BAKE=exit``; ``auto`` in a
+        CI job), what it wrote or hit that no idle core baked is baked first, for up to
+        ``ASYNCCLCACHE_EXIT_BAKE_TIMEOUT`` seconds (Ctrl-C stops it at once). Idempotent:
+        only the first call flushes, even if it was interrupted. Ctrl-C during the flush
+        stops the wait at once, drops what is pending and re-raises the ``KeyboardInterrupt``.
+        Builds after close are plain, uncached builds. Returns what :meth:`flush` returned.
         """
         with self._lock:
             if self._closed:
