@@ -693,6 +693,11 @@ def main(argv: list[str] | None = None) -> int:
         R["variants_used"] = sorted(set(R["variants_used"]) | set(vs))
         return vs
 
+    def columns(every: list[str], quick_ones: list[str]) -> list[str]:
+        # A section's columns: --quick's fewer, unless --variants names some (of all of them).
+        vs = quick_ones if not full and keep_variants is None else every
+        return vs if keep_variants is None else [v for v in vs if v in keep_variants]
+
     try:
         R["machine"] = m = describe(runner)
         print(f"machine: {m.get('cpu')}, {m.get('cores')} cores; {m.get('platform_version')}; "
@@ -704,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_args = {"n": args.n}
         if "seed" in sections:
             log.section("seed")
-            v = use(VARIANTS if full or keep_variants is not None else QUICK_VARIANTS)
+            v = use(columns(VARIANTS, QUICK_VARIANTS))
             save("first_result_seed",
                  measure_first_result(runner, "seed", v, reps, reps, seed_args))
         if "multi" in sections:
@@ -720,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             save("stall", measure_stall(runner, cases, min(reps, 2), seed_args))
         if "throughput" in sections:
             log.section("throughput")
-            v = use(["nocache", "pyopencl", "acc", "acc-idle"] if full else ["nocache", "acc", "acc-idle"])
+            v = use(columns(["nocache", "pyopencl", "acc", "acc-idle"], ["nocache", "acc", "acc-idle"]))
             progs = 200 if full else 24
             tp_reps = min(reps, 2)
             save("throughput_1",
@@ -735,9 +740,7 @@ def main(argv: list[str] | None = None) -> int:
                     os.cpu_count() or 1)
                 ranks = default_ranks(cores) if full else [cores]
             # --quick: one directory with node copies (acc-shared is the nodes section's question)
-            v = RANK_VARIANTS if full or keep_variants is not None else ["nocache", "acc"]
-            if keep_variants is not None:
-                v = [x for x in v if x in keep_variants]
+            v = columns(RANK_VARIANTS, ["nocache", "acc"])
             use([x for x in v if x != "acc-shared"])
             R["ranks"] = measure_ranks(runner, ranks, v, args.n, min(reps, 2), 1,
                                        lambda res: save("ranks", res))
@@ -745,10 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             log.section("nodes")
             import nodes
 
-            modes = nodes.MODES if full or keep_variants is not None else nodes.QUICK_MODES
-            if keep_variants is not None:  # named: any of the section's modes, quick or not
-                modes = [m for m in modes if m in keep_variants]
-            use(modes)
+            modes = use(columns(nodes.MODES, nodes.QUICK_MODES))
             R["nodes"] = nodes.measure_nodes(runner, args.node_ranks, modes, log,
                                              lambda res: save("nodes", res), reps=min(reps, 3),
                                              per_node=args.ranks_per_node,
