@@ -75,9 +75,12 @@ def _folder(pocl_dir: Path) -> Path | None:
             return _folders[pocl_dir]
     folder = lock_folder(pocl_dir)
     try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(folder, 0o700)
-        st = os.lstat(folder)
+        try:
+            st = os.lstat(folder)  # there already, mostly: one call
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder, 0o700)
+            st = os.lstat(folder)
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return None  # pocl has not made its directory yet: again at the next build

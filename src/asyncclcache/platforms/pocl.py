@@ -107,7 +107,8 @@ def cache_topdir(env: Mapping[str, str] | None = None) -> Path | None:
 
 def kernel_cache_dir(env: Mapping[str, str] | None = None) -> Path | None:
     """pocl's kernel cache directory; ``None`` when pocl's kernel cache is off."""
-    return cache_topdir(env) if kernel_cache_enabled(env) else None
+    e = _env(env)  # one read of the environment (every build asks)
+    return cache_topdir(e) if kernel_cache_enabled(e) else None
 
 
 def source_dir(env: Mapping[str, str] | None = None) -> Path | None:
