@@ -796,3 +796,19 @@ def test_only_settings_the_environment_decides_let_a_key_be_taken_again() -> Non
 
 
 # }}}
+
+
+def test_a_source_that_includes_nothing_resolves_no_folder(tmp_path: Path, monkeypatch) -> None:
+    # Every build asks: a realpath is an lstat a component of pocl's cache directory, often
+    # on a network home directory. Only a source with an include looks in that folder.
+    from asyncclcache import keys
+
+    (tmp_path / "h.h").write_text("#define TWO 2\n")
+    resolved: list[str] = []
+    real = keys.os.path.realpath
+    monkeypatch.setattr(keys.os.path, "realpath", lambda p, *a, **k: resolved.append(str(p)) or real(p, *a, **k))
+    none = keys.include_deps(keys._scan(b"__kernel void f() {}"), b"", [], str(tmp_path), source_dir=str(tmp_path))
+    assert none == ((), None) and str(tmp_path) not in resolved
+    one = keys.include_deps(keys._scan(b'#include "h.h"\n__kernel void f() {}'), b"", [], str(tmp_path),
+                            source_dir=str(tmp_path))
+    assert one[1] is None and [d.path for d in one[0]] == [str(tmp_path / "h.h")] and str(tmp_path) in resolved

@@ -138,11 +138,12 @@ def restore(
                     dirs[child] = _open_dir(dirs[path], part, made, child)
                 path = child
             dfd = dirs[path]
-            try:
-                os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                continue  # there already: never overwrite what the driver wrote
-            except FileNotFoundError:
-                pass
+            if path not in made:  # a folder made just now holds nothing (a racer's: the link says)
+                try:
+                    os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    continue  # there already: never overwrite what the driver wrote
+                except FileNotFoundError:
+                    pass
             ino = _place(dfd, name, blob)
             if ino is not None:
                 placed.append((rel, ino))
