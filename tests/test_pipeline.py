@@ -304,50 +304,11 @@ def test_a_handoff_runs_once_on_a_worker_or_on_the_caller_that_cannot_wait_for_o
         failing.result()
 
 
-class _GatedThread(threading.Thread):
-    """A thread whose ``start()`` waits for ``gate`` first (as a busy machine makes
-    ``Thread.start`` wait for the new thread to be scheduled), or raises ``fail``."""
-
-    def __init__(self, gate: threading.Event, fail: BaseException | None = None, **kw) -> None:
-        super().__init__(daemon=True, **kw)
-        self.gate, self.fail = gate, fail
-
-    def start(self) -> None:
-        assert self.gate.wait(10)
-        if self.fail is not None:
-            raise self.fail
-        super().start()
-
-
-def test_threads_start_without_the_caller_waiting_for_them_and_are_joined_once_up():
-    from asyncclcache.workers import join_started, start_soon
-
-    gate, ran = threading.Event(), threading.Event()
-    t = _GatedThread(gate, target=ran.set)
-    up = start_soon([t])  # returns while its start() is still held
-    assert not up.is_set() and t.ident is None
-    gate.set()
-    join_started([t], up, 10)
-    assert up.is_set() and ran.is_set() and not t.is_alive()
-
-
-def test_a_thread_that_cannot_start_is_logged_and_never_waited_for(caplog):
-    from asyncclcache.workers import join_started, start_soon
-
-    gate = threading.Event()
-    gate.set()
-    t = _GatedThread(gate, RuntimeError("can't start new thread"), target=lambda: None)
-    up = start_soon([t])
-    join_started([t], up, 10)  # returns: nothing to join
-    assert up.is_set() and t.ident is None
-    assert "could not start a background thread" in caplog.text
-
-
-def test_work_queued_before_the_threads_are_up_runs_and_stop_joins_them():
+def test_work_queued_at_the_threads_start_all_runs_and_stop_joins_them():
     workers = Workers(2, "test-soon", lambda e: None)
     done: list[int] = []
     for i in range(20):
         workers.submit(done.append, i)
-    workers.stop(10)  # maybe before any thread was scheduled: still every task, then joined
+    workers.stop(10)  # at once: still every task, then joined
     assert sorted(done) == list(range(20))
     assert not any(t.is_alive() for t in workers._threads)

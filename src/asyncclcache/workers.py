@@ -7,56 +7,18 @@ raised into the submitting thread.
 
 from __future__ import annotations
 
-import _thread
 import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Handoff", "Workers", "join_started", "start_soon"]
+__all__ = ["Handoff", "Workers"]
 
 logger = logging.getLogger(__name__)
 _STOP = object()
-
-
-def start_soon(threads: Sequence[threading.Thread]) -> threading.Event:
-    """Start ``threads`` from a short-lived helper thread and return at once; the event is
-    set once each has started (or failed to: logged). ``Thread.start`` waits until the new
-    thread is scheduled (0.2-0.5 ms on a busy 2-core machine): on a first hit's path, that
-    wait was the largest single cost. Thread-safe."""
-    up = threading.Event()
-
-    def starter() -> None:
-        try:
-            for t in threads:
-                t.start()
-        except RuntimeError as e:  # no more threads, or the interpreter is shutting down
-            logger.warning("asyncclcache: could not start a background thread (%s); its work is not done", e)
-        finally:
-            up.set()
-
-    try:
-        _thread.start_new_thread(starter, ())
-    except RuntimeError:
-        starter()  # no helper either: started (or not) here
-    return up
-
-
-def join_started(threads: Sequence[threading.Thread], up: threading.Event, timeout: float | None) -> None:
-    """Join ``threads`` (started by :func:`start_soon` with ``up``), up to ``timeout`` seconds
-    in all; never the calling thread, never one that did not start."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-
-    def left() -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-    up.wait(left())
-    for t in threads:
-        if t is not threading.current_thread() and t.ident is not None:
-            t.join(left())
 
 
 class Handoff:
@@ -111,18 +73,19 @@ class Workers:
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
         ]
-        self._up: threading.Event | None = None  # set once the threads have started
+        self._started = False
         self._lock = threading.Lock()
         self._stopped = False
 
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
-        """Queue ``fn(*args)``; threads start on first use, without the caller waiting for
-        them (:func:`start_soon`). No-op after :meth:`stop`."""
+        """Queue ``fn(*args)``; threads start on first use. No-op after :meth:`stop`."""
         with self._lock:
             if self._stopped:
                 return
-            if self._up is None:
-                self._up = start_soon(self._threads)
+            if not self._started:
+                for t in self._threads:
+                    t.start()
+                self._started = True
         self._queue.put(functools.partial(fn, *args) if args else fn)
 
     def handoff(self, fn: Callable[[], Any]) -> Handoff:
@@ -155,9 +118,11 @@ class Workers:
             if self._stopped:
                 return
             self._stopped = True
-            up = self._up
-        if up is None:
+            started = self._started
+        if not started:
             return
         for _ in self._threads:
             self._queue.put(_STOP)
-        join_started(self._threads, up, timeout)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)

@@ -14,7 +14,6 @@ import warnings
 from abc import abstractmethod
 
 from ..errors import BinaryRejectedWarning
-from ..workers import join_started, start_soon
 from .base import Done, Driver, Dropped, Job, Purpose
 
 __all__ = ["BackgroundDriver", "Waiting"]
@@ -46,7 +45,6 @@ class BackgroundDriver(Driver):
         self._cond = threading.Condition()
         self._waiting: list[Waiting] = []
         self._thread: threading.Thread | None = None
-        self._up = threading.Event()  # set once the thread has started (or failed to)
         self._closed = False
         self._warned: set[str] = set()
         #: ``flush()``/exit asked at this time: jobs built before it are due at once.
@@ -79,7 +77,7 @@ class BackgroundDriver(Driver):
         for w in waiting:
             w.done(None, Dropped("dropped at close"))
         if thread is not None:
-            join_started([thread], self._up, timeout if timeout is not None else 5.0)
+            thread.join(timeout if timeout is not None else 5.0)
 
     def _closing(self) -> None:
         """Under ``self._cond``, at close: drop other queued work."""
@@ -95,9 +93,9 @@ class BackgroundDriver(Driver):
 
     def _start(self) -> None:
         # Under self._cond.
-        if self._thread is None:  # the caller does not wait for it to be scheduled
+        if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"asyncclcache-{self.name}", daemon=True)
-            self._up = start_soon([self._thread])
+            self._thread.start()
 
     @abstractmethod
     def _run(self) -> None:
