@@ -305,7 +305,7 @@ def test_a_handoff_runs_once_on_a_worker_or_on_the_caller_that_cannot_wait_for_o
 
 
 def test_work_queued_at_the_threads_start_all_runs_and_stop_joins_them():
-    workers = Workers(2, "test-soon", lambda e: None)
+    workers = Workers(2, "test-queued", lambda e: None)
     done: list[int] = []
     for i in range(20):
         workers.submit(done.append, i)

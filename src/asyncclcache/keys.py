@@ -723,9 +723,10 @@ def include_deps(
     ``source`` (or its scan) with ``options`` in ``cwd``, under this process's driver
     settings: the key's rule, which a bake checks an entry against. Thread-safe."""
     path = tuple(os.path.join(cwd, d) for d in include_path)
-    # A source that includes nothing looks in no folder: no realpath (an lstat a component,
-    # on every build, in pocl's cache directory, often on a network home directory).
-    includes_none = isinstance(source, _Scan) and source.uncertain is None and not source.names
+    # A source that includes nothing (or whose includes are uncertain: raised below) looks in
+    # no folder: no realpath (an lstat a component, on every build, in pocl's cache
+    # directory, often on a network home directory).
+    includes_none = isinstance(source, _Scan) and not source.names
     folder = None if source_dir is None or includes_none else os.path.realpath(source_dir)
     try:
         extra = platforms.extra_options(system.process_environ())
